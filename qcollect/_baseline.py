@@ -1,0 +1,72 @@
+"""Baselines: send the array as it is, or cast to a 16-bit float."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from qcollect._config import check_choice, check_floating_input
+from qcollect._payload import Compressor, Payload, check_format
+
+__all__ = ["identity", "cast"]
+
+CAST_DTYPES = ("bfloat16", "float16")
+
+
+def identity() -> Compressor:
+    """The uncompressed baseline: the payload is the array itself.
+
+    Linear (payloads sum exactly as the arrays do), deterministic, any dtype.
+
+    Example:
+      >>> import jax.numpy as jnp, qcollect as qc
+      >>> c = qc.identity()
+      >>> qc.payload_bytes(c.encode(jnp.ones(10)))
+      40
+    """
+    name = "identity"
+
+    def encode(x, key=None):
+        x = jnp.asarray(x)
+        return Payload({"x": x}, tuple(x.shape), x.dtype, name)
+
+    def decode(payload):
+        check_format(payload, name)
+        return payload["x"]
+
+    return Compressor(name, encode, decode, linear=True, stochastic=False)
+
+
+def cast(dtype) -> Compressor:
+    """Round to a 16-bit float on the wire; decode casts back.
+
+    Args:
+      dtype: ``"bfloat16"`` or ``"float16"`` (or the jnp dtypes).
+
+    float16 overflows to +/-inf above 65504: that is reported as non-finite
+    output, never clipped. The compressor is linear: payloads may be summed in
+    the narrow dtype, with one rounding per addition.
+
+    Example:
+      >>> import jax.numpy as jnp, qcollect as qc
+      >>> qc.payload_bytes(qc.cast(jnp.bfloat16).encode(jnp.ones(10)))
+      20
+    """
+    try:
+        dtype_name = np.dtype(dtype).name
+    except TypeError:
+        dtype_name = str(dtype)
+    check_choice("dtype", dtype_name, CAST_DTYPES)
+    wire = jnp.dtype(dtype_name)
+    name = f"cast/{dtype_name}"
+
+    def encode(x, key=None):
+        x = jnp.asarray(x)
+        check_floating_input(x)
+        return Payload({"x": x.astype(wire)}, tuple(x.shape), x.dtype, name)
+
+    def decode(payload):
+        check_format(payload, name)
+        return payload["x"].astype(payload.dtype)
+
+    return Compressor(name, encode, decode, linear=True, stochastic=False)

@@ -1,0 +1,96 @@
+"""Groups of values that share one scale or one pair of means.
+
+Two layouts, both static in shape:
+
+* buckets (Grubic et al., "reshaped" 1bitSGD* and QSGD bucketing, seed 001
+  section 3.2.2): the array is flattened row-major and cut into buckets of
+  ``bucket_size`` consecutive values; the last one is zero-padded. Reductions
+  run along axis 1 of a ``(num_buckets, bucket_size)`` view.
+* columns (CNTK 1bitSGD, seed 001 section 3.2.1; Dryden et al. section 3.1):
+  the first dimension is the row and the others are flattened into columns,
+  so a ``(rows, cols)`` view is reduced along axis 0 with no transpose.
+  A vector is one column; a scalar is a 1x1 matrix.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class Groups(NamedTuple):
+    """A static grouping of ``size`` values.
+
+    Attributes:
+      view: shape of the 2-D view that holds the (padded) values.
+      axis: the axis of ``view`` that is reduced within a group.
+      size: number of real values.
+      counts: numpy int array, real values per group (padding excluded).
+    """
+
+    view: tuple[int, int]
+    axis: int
+    size: int
+    counts: np.ndarray
+
+    @property
+    def num_groups(self) -> int:
+        return self.view[1 - self.axis]
+
+    @property
+    def padded_size(self) -> int:
+        return self.view[0] * self.view[1]
+
+    def expand(self, per_group: jax.Array) -> jax.Array:
+        """Broadcasts a ``(num_groups,)`` array against the 2-D view."""
+        return jnp.expand_dims(per_group, self.axis)
+
+
+def bucket_groups(shape: tuple[int, ...], bucket_size: int | None) -> Groups:
+    """Buckets of ``bucket_size`` consecutive values (None: one bucket)."""
+    size = math.prod(shape)
+    length = max(size, 1) if bucket_size is None else bucket_size
+    num = -(-size // length)
+    counts = np.full(num, length, np.int64)
+    if num:
+        counts[-1] = size - (num - 1) * length
+    return Groups(view=(num, length), axis=1, size=size, counts=counts)
+
+
+def column_groups(shape: tuple[int, ...]) -> Groups:
+    """CNTK columns: rows = ``shape[0]``, columns = the other dims flattened."""
+    rows = shape[0] if len(shape) else 1
+    cols = math.prod(shape[1:]) if len(shape) else 1
+    return Groups(view=(rows, cols), axis=0, size=rows * cols,
+                  counts=np.full(cols, rows, np.int64))
+
+
+def to_view(x: jax.Array, groups: Groups) -> jax.Array:
+    """Flattens ``x`` into the 2-D view in float32, zero-padding the tail."""
+    flat = jnp.ravel(x).astype(jnp.float32)
+    pad = groups.padded_size - groups.size
+    if pad:
+        flat = jnp.pad(flat, (0, pad))
+    return flat.reshape(groups.view)
+
+
+def from_view(view: jax.Array, groups: Groups, shape, dtype) -> jax.Array:
+    """Inverse of `to_view`: strips padding, restores shape and dtype."""
+    return view.reshape(-1)[: groups.size].reshape(shape).astype(dtype)
+
+
+def flat_codes(view_codes: jax.Array, groups: Groups) -> jax.Array:
+    """Codes of the real values, flattened (padding dropped before packing)."""
+    return view_codes.reshape(-1)[: groups.size]
+
+
+def view_codes(codes: jax.Array, groups: Groups) -> jax.Array:
+    """Unpacked flat codes back into the 2-D view (padding codes are 0)."""
+    pad = groups.padded_size - groups.size
+    if pad:
+        codes = jnp.pad(codes, (0, pad))
+    return codes.reshape(groups.view)

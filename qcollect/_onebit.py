@@ -1,0 +1,131 @@
+"""Seide's 1-bit quantization with mean reconstruction.
+
+Seide et al. via Dryden et al., "Communication Quantization for Data-parallel
+Training of Deep Neural Networks", section 3.1, and Grubic et al.,
+"Synchronous Multi-GPU Deep Learning with Low-Precision Communication",
+section 2.2 (Algorithm 2) and 3.2.1.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qcollect._config import check_choice, check_floating_input, check_int, require_key
+from qcollect._groups import (
+    bucket_groups,
+    column_groups,
+    flat_codes,
+    from_view,
+    to_view,
+    view_codes,
+)
+from qcollect._packing import pack_bits, unpack_bits
+from qcollect._payload import Compressor, Payload, check_format
+from qcollect._random import hash_bits
+
+__all__ = ["onebit"]
+
+
+def onebit(*, grouping: str = "bucket", bucket_size: int = 64,
+           sample: int | None = None) -> Compressor:
+    """Seide 1-bit quantization: one sign bit per value, two means per group.
+
+    Values ``>= 0`` are sent as bit 1, negative values as bit 0, 32 bits per
+    uint32 word. Each group also sends two float32 reconstruction values, the
+    mean of its non-negative and of its negative entries (Dryden section 3.1;
+    Grubic eq. for Q^1b). Decoding replaces each value by the mean of its side.
+    Error feedback (Grubic Algorithm 2, lines 1 and 4) lives in the optax
+    layer; this is the pure quantizer.
+
+    Groups:
+      * ``grouping="column"``: per column of the weight matrix, as CNTK does
+        (first dim = rows, the rest flattened into columns; Dryden 3.1).
+      * ``grouping="bucket"``: per bucket of ``bucket_size`` consecutive values
+        after flattening, Grubic's reshaped 1bitSGD* (section 3.2.2; bucket 64
+        is the size the paper uses for its results).
+
+    Args:
+      grouping: ``"bucket"`` (default) or ``"column"``.
+      bucket_size: values per bucket, >= 1; ignored for columns.
+      sample: None for exact means, or ``m >= 1``: Dryden's sampled means from
+        ``m`` entries per group drawn uniformly with replacement (section 3.1,
+        "randomly sample a fixed number of entries from each column"). Needs
+        a key. A side that no sample falls on reconstructs as 0; error
+        feedback carries what that loses.
+
+    Empty sides (a group with no negatives) get mean 0, which no value decodes
+    to. Non-finite inputs make their group's means non-finite, so decode is
+    never silently finite (with sampling, a per-group ``sum * 0`` poisons the
+    means).
+
+    Payload size: ``4 * ceil(n / 32) + 8 * num_groups`` bytes.
+
+    Example:
+      >>> import jax.numpy as jnp, qcollect as qc
+      >>> c = qc.onebit(bucket_size=4)
+      >>> c.decode(c.encode(jnp.array([1., 3., -2., -4.])))
+      Array([ 2.,  2., -3., -3.], dtype=float32)
+    """
+    check_choice("grouping", grouping, ("bucket", "column"))
+    bucket_size = check_int("bucket_size", bucket_size, low=1)
+    sample = check_int("sample", sample, low=1, allow_none=True)
+    name = f"onebit/{grouping}" + (f"/{bucket_size}" if grouping == "bucket" else "")
+    name += "" if sample is None else f"/sample{sample}"
+
+    def groups_for(shape):
+        return bucket_groups(shape, bucket_size) if grouping == "bucket" else column_groups(shape)
+
+    def means(view, groups, key):
+        if sample is None:
+            # Only unary and same-shape binary ops feed the reductions: XLA:CPU
+            # materialises scalar operands such as max(v, 0) as full arrays.
+            # v + |v| is exactly 2v or 0; |sign v| - sign v is 2 for negatives.
+            sign = jnp.sign(view)
+            pos_sum = 0.5 * jnp.sum(view + jnp.abs(view), axis=groups.axis)
+            neg_cnt = 0.5 * jnp.sum(jnp.abs(sign) - sign, axis=groups.axis)
+            # total - pos keeps NaN/Inf of the group in the negative mean
+            # (a NaN is neither >= 0 nor < 0, so it would otherwise vanish).
+            neg_sum = jnp.sum(view, axis=groups.axis) - pos_sum
+            pos_cnt = groups.counts - neg_cnt
+            return pos_sum / jnp.maximum(pos_cnt, 1), neg_sum / jnp.maximum(neg_cnt, 1)
+        picks = _sample(view, groups, key, sample)
+        pos = picks >= 0
+        pos_mean = jnp.sum(jnp.where(pos, picks, 0.0), -1) / jnp.maximum(jnp.sum(pos, -1), 1)
+        neg_mean = jnp.sum(jnp.where(pos, 0.0, picks), -1) / jnp.maximum(jnp.sum(~pos, -1), 1)
+        poison = jnp.sum(view, axis=groups.axis) * 0.0
+        return pos_mean + poison, neg_mean + poison
+
+    def encode(x, key=None):
+        x = jnp.asarray(x)
+        check_floating_input(x)
+        if sample is not None:
+            require_key(key, "onebit(sample=...)")
+        groups = groups_for(x.shape)
+        view = to_view(x, groups)
+        pos_mean, neg_mean = means(view, groups, key)
+        bits = pack_bits(flat_codes(view >= 0, groups), 1)
+        return Payload({"bits": bits, "pos": pos_mean, "neg": neg_mean},
+                       tuple(x.shape), x.dtype, name)
+
+    def decode(payload):
+        check_format(payload, name)
+        groups = groups_for(payload.shape)
+        signs = view_codes(unpack_bits(payload["bits"], 1, groups.size), groups)
+        view = jnp.where(signs == 1, groups.expand(payload["pos"]), groups.expand(payload["neg"]))
+        return from_view(view, groups, payload.shape, payload.dtype)
+
+    return Compressor(name, encode, decode, linear=False, stochastic=sample is not None)
+
+
+def _sample(view: jax.Array, groups, key, m: int) -> jax.Array:
+    """``(num_groups, m)`` entries drawn uniformly, with replacement, per group."""
+    if groups.size == 0:
+        return jnp.zeros((groups.num_groups, m), jnp.float32)
+    counts = jnp.asarray(np.maximum(groups.counts, 1), jnp.uint32)[:, None]
+    within = hash_bits(key, (groups.num_groups, m)) % counts
+    group = jnp.arange(groups.num_groups, dtype=jnp.uint32)[:, None]
+    width = jnp.uint32(view.shape[1])
+    flat = group * width + within if groups.axis == 1 else within * width + group
+    return view.reshape(-1)[flat]

@@ -1,0 +1,6 @@
+"""Benchmarks: ``python -m qcollect.bench {quantizers}``.
+
+Benchmarks are scripts, not tests: they print measured tables (medians of
+interleaved repetitions, so slow drifts of a shared machine hit every column
+alike) and can write them as CSV/JSON for the README.
+"""

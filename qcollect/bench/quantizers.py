@@ -1,0 +1,123 @@
+"""Quantizer benchmark: wire bits, error and speed of every compressor.
+
+For one gradient-like float32 array (default 16M values as a 4096 x 4096
+matrix, Gaussian with log-normal column scales so columns and buckets differ),
+each compressor reports:
+
+* wire bits per element, ``8 * payload_bytes / n`` of a real payload;
+* relative error ``||decode(encode(x)) - x|| / ||x||``;
+* median encode and decode time, next to the median time of one elementwise
+  pass ``x * c`` over the same array measured in the same interleaved loop,
+  and their ratio ``t(x * c) / t(encode + decode)`` (1.0 = as fast as one pass).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+
+import qcollect as qc
+from qcollect.bench._timing import interleaved_medians
+
+COMPRESSORS = {
+    "identity": qc.identity,
+    "cast-bf16": lambda: qc.cast("bfloat16"),
+    "cast-fp16": lambda: qc.cast("float16"),
+    "onebit (bucket 64)": qc.onebit,
+    "onebit (column)": lambda: qc.onebit(grouping="column"),
+    "onebit (bucket 64, sample 8)": lambda: qc.onebit(sample=8),
+    "qsgd-2 (bucket 128)": lambda: qc.qsgd(bits=2),
+    "qsgd-4 (bucket 512)": lambda: qc.qsgd(bits=4),
+    "qsgd-4 nearest": lambda: qc.qsgd(bits=4, stochastic=False),
+    "qsgd-8 (bucket 512)": lambda: qc.qsgd(bits=8),
+    "qsgd-16 (bucket 8192)": lambda: qc.qsgd(bits=16),
+}
+
+
+def gradient_like(size: int, seed: int = 0) -> jax.Array:
+    """A float32 (rows, cols) matrix of ``size`` values with log-normal column scales.
+
+    ``cols`` is the largest power of two dividing ``size`` and at most its
+    square root (4096 x 4096 for 16M values), so column grouping has columns.
+    """
+    cols = 1
+    while size % (2 * cols) == 0 and (2 * cols) ** 2 <= size:
+        cols *= 2
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    scales = jnp.exp(0.5 * jax.random.normal(k1, (1, cols)))
+    return jax.random.normal(k2, (size // cols, cols)) * scales * 1e-3
+
+
+def run(size: int, repeats: int, names: list[str]) -> list[dict]:
+    x = gradient_like(size)
+    key = jax.random.key(1)
+    norm = float(jnp.linalg.norm(x))
+    scale_pass = jax.jit(lambda x: x * 1.5)
+    rows = []
+    for name in names:
+        c = COMPRESSORS[name]()
+        encode, decode = jax.jit(c.encode), jax.jit(c.decode)
+        payload = encode(x, key)
+        err = float(jnp.linalg.norm(decode(payload).astype(jnp.float32) - x)) / norm
+        t = interleaved_medians({
+            "pass": (scale_pass, (x,)),
+            "encode": (encode, (x, key)),
+            "decode": (decode, (payload,)),
+        }, repeats)
+        row = {
+            "compressor": name,
+            "bits_per_element": 8 * qc.payload_bytes(payload) / size,
+            "relative_error": err,
+            "encode_ms": 1e3 * t["encode"],
+            "decode_ms": 1e3 * t["decode"],
+            "pass_ms": 1e3 * t["pass"],
+            "passes_ratio": t["pass"] / (t["encode"] + t["decode"]),
+        }
+        rows.append(row)
+        print(_format_row(row), flush=True)
+    return rows
+
+
+HEADER = ("| compressor | wire bits/elem | rel. error | encode ms | decode ms "
+          "| x*c ms | t(x*c)/t(enc+dec) |\n|---|---:|---:|---:|---:|---:|---:|")
+
+
+def _format_row(r: dict) -> str:
+    return (f"| {r['compressor']} | {r['bits_per_element']:.3f} | {r['relative_error']:.4f} "
+            f"| {r['encode_ms']:.1f} | {r['decode_ms']:.1f} | {r['pass_ms']:.1f} "
+            f"| {r['passes_ratio']:.2f} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m qcollect.bench quantizers",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", type=int, default=16 * 1024 * 1024,
+                        help="elements in the float32 array (default 16M)")
+    parser.add_argument("--repeats", type=int, default=9, help="timed repetitions (median)")
+    parser.add_argument("--only", nargs="*", default=None, metavar="NAME",
+                        help="compressors to run (substring match); default all")
+    parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    args = parser.parse_args(argv)
+    if args.size < 1 or args.repeats < 1:
+        parser.error("--size and --repeats must be >= 1")
+    names = list(COMPRESSORS)
+    if args.only:
+        names = [n for n in names if any(s in n for s in args.only)]
+        if not names:
+            parser.error(f"--only matched none of: {', '.join(COMPRESSORS)}")
+    print(f"# {args.size:,} float32 values on {jax.devices()[0].platform}, "
+          f"median of {args.repeats} interleaved runs", flush=True)
+    print(HEADER, flush=True)
+    rows = run(args.size, args.repeats, names)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""The compressor contract, checked for every compressor.
+
+Each compressor must: restore shape and dtype under jit and vmap, accept odd
+lengths and 16-bit inputs, decode all-zero input to zeros, never turn NaN/Inf
+into a finite answer, carry its payload through cond / ppermute, reject a
+payload of another format, and send fewer bytes than the input when it claims
+to compress.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
+
+import qcollect as qc
+
+COMPRESSORS = {
+    "identity": qc.identity,
+    "cast_bf16": lambda: qc.cast(jnp.bfloat16),
+    "cast_f16": lambda: qc.cast("float16"),
+    "onebit": qc.onebit,
+    "onebit_column": lambda: qc.onebit(grouping="column"),
+    "onebit_sampled": lambda: qc.onebit(bucket_size=16, sample=4),
+    "qsgd2": lambda: qc.qsgd(bits=2),
+    "qsgd4": lambda: qc.qsgd(bits=4),
+    "qsgd8_l2": lambda: qc.qsgd(bits=8, norm="l2"),
+    "qsgd16": lambda: qc.qsgd(bits=16),
+    "qsgd4_nearest_whole": lambda: qc.qsgd(bits=4, bucket_size=None, stochastic=False),
+}
+COMPRESSING = [n for n in COMPRESSORS if n != "identity"]
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+SHAPES = [(0,), (1,), (2,), (7,), (13,), (97,), (1000,), (3, 5, 7), (), (4, 0)]
+
+
+def _round_trip(c, x, key=None):
+    key = jax.random.key(0) if key is None else key
+    payload = jax.jit(c.encode)(x, key)
+    return payload, jax.jit(c.decode)(payload)
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_shape_dtype_restored(name, dtype, shape):
+    c = COMPRESSORS[name]()
+    x = jax.random.normal(jax.random.key(1), shape, jnp.float32).astype(dtype)
+    payload, x_hat = _round_trip(c, x)
+    assert x_hat.shape == x.shape and x_hat.dtype == x.dtype
+    assert np.all(np.isfinite(np.asarray(x_hat, np.float32)))
+    # Lossy, but never wild: a quantizer's error is within the input's range.
+    if x.size:
+        err = np.max(np.abs(np.asarray(x_hat, np.float32) - np.asarray(x, np.float32)))
+        assert err <= 2 * np.max(np.abs(np.asarray(x, np.float32))) + 1e-6
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+@pytest.mark.parametrize("shape", [(1,), (13,), (1000,), (8, 9)])
+def test_zeros_decode_to_zeros(name, shape):
+    _, x_hat = _round_trip(COMPRESSORS[name](), jnp.zeros(shape))
+    np.testing.assert_array_equal(np.asarray(x_hat), 0.0)
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("where", [0, 500, 999])
+def test_non_finite_is_never_silent(name, bad, where):
+    x = np.array(jax.random.normal(jax.random.key(2), (1000,)))
+    x[where] = bad
+    _, x_hat = _round_trip(COMPRESSORS[name](), jnp.asarray(x))
+    assert not np.all(np.isfinite(np.asarray(x_hat)))
+
+
+@pytest.mark.parametrize("name", COMPRESSING)
+def test_payload_is_smaller_than_input(name):
+    x = jax.random.normal(jax.random.key(3), (4096,))
+    payload, _ = _round_trip(COMPRESSORS[name](), x)
+    assert qc.payload_bytes(payload) < x.nbytes
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_payload_bytes_is_static(name):
+    c = COMPRESSORS[name]()
+    x = jnp.ones((333,))
+    shapes = jax.eval_shape(c.encode, x, jax.random.key(0))
+    assert qc.payload_bytes(shapes) == qc.payload_bytes(c.encode(x, jax.random.key(0)))
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_vmap_matches_per_example(name):
+    c = COMPRESSORS[name]()
+    xs = jax.random.normal(jax.random.key(4), (3, 50))
+    keys = jax.random.split(jax.random.key(5), 3)
+    batched = jax.jit(jax.vmap(lambda x, k: c.decode(c.encode(x, k))))(xs, keys)
+    for i in range(3):
+        single = jax.jit(lambda x, k: c.decode(c.encode(x, k)))(xs[i], keys[i])
+        np.testing.assert_allclose(np.asarray(batched[i]), np.asarray(single), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_payload_through_cond(name):
+    c = COMPRESSORS[name]()
+    x = jax.random.normal(jax.random.key(6), (100,))
+
+    @jax.jit
+    def f(x, flag):
+        p = c.encode(x, jax.random.key(0))
+        p = jax.lax.cond(flag, lambda p: p, lambda p: jax.tree.map(jnp.zeros_like, p), p)
+        return c.decode(p)
+
+    np.testing.assert_array_equal(np.asarray(f(x, True)), np.asarray(_round_trip(c, x)[1]))
+    np.testing.assert_array_equal(np.asarray(f(x, False)), 0.0)
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_payload_through_ppermute(name):
+    c = COMPRESSORS[name]()
+    n = 4
+    mesh = jax.make_mesh((n,), ("d",), devices=jax.devices()[:n])
+    xs = jax.random.normal(jax.random.key(7), (n, 37))
+    keys = jax.random.split(jax.random.key(8), n)
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("d"), P("d")), out_specs=P("d"))
+    def shifted(x, key):
+        p = c.encode(x[0], key[0])
+        p = jax.lax.ppermute(p, "d", [(i, (i + 1) % n) for i in range(n)])
+        return c.decode(p)[None]
+
+    sharding = jax.sharding.NamedSharding(mesh, P("d"))
+    got = np.asarray(shifted(jax.device_put(xs, sharding), jax.device_put(keys, sharding)))
+    for i in range(n):
+        want = _round_trip(c, xs[(i - 1) % n], keys[(i - 1) % n])[1]
+        np.testing.assert_array_equal(got[i], np.asarray(want))
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_wrong_format_is_rejected(name):
+    c = COMPRESSORS[name]()
+    other = qc.qsgd(bits=8, bucket_size=3) if not name.startswith("qsgd") else qc.onebit()
+    payload = other.encode(jnp.ones(8), jax.random.key(0))
+    with pytest.raises(ValueError, match="format"):
+        c.decode(payload)
+
+
+@pytest.mark.parametrize("name", [n for n in COMPRESSORS if COMPRESSORS[n]().stochastic])
+def test_stochastic_needs_key(name):
+    with pytest.raises(ValueError, match="key"):
+        COMPRESSORS[name]().encode(jnp.ones(8))
+
+
+@pytest.mark.parametrize("name", COMPRESSING)
+def test_integer_input_is_rejected(name):
+    with pytest.raises(TypeError, match="floating"):
+        COMPRESSORS[name]().encode(jnp.ones(8, jnp.int32), jax.random.key(0))
+
+
+@given(length=st.integers(0, 2000), seed=st.integers(0, 2**16))
+def test_linear_compressors_commute_with_sum(length, seed):
+    xs = jax.random.normal(jax.random.key(seed), (3, length))
+    for c in (qc.identity(), qc.cast(jnp.bfloat16)):
+        payloads = [c.encode(x) for x in xs]
+        summed = jax.tree.map(lambda *leaves: sum(leaves), *payloads)
+        np.testing.assert_allclose(
+            np.asarray(c.decode(summed), np.float32),
+            np.asarray(sum(c.decode(p) for p in payloads), np.float32),
+            rtol=2e-2, atol=2e-2)
+    assert qc.identity().linear and not qc.qsgd().linear and not qc.onebit().linear

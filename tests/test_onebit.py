@@ -1,0 +1,114 @@
+"""Seide 1-bit quantization against a numpy reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import qcollect as qc
+
+
+def reference(x, grouping, bucket_size):
+    """Dryden 3.1: per group, values >= 0 -> mean of non-negatives, else mean of negatives."""
+    x = np.asarray(x, np.float64)
+    if grouping == "column":
+        mat = x.reshape(x.shape[0] if x.ndim else 1, -1)
+        groups = [mat[:, j] for j in range(mat.shape[1])]
+    else:
+        flat = x.ravel()
+        groups = [flat[i:i + bucket_size] for i in range(0, flat.size, bucket_size)]
+    pos = np.array([g[g >= 0].mean() if np.any(g >= 0) else 0.0 for g in groups])
+    neg = np.array([g[g < 0].mean() if np.any(g < 0) else 0.0 for g in groups])
+    return pos, neg
+
+
+@given(
+    shape=st.sampled_from([(1,), (5,), (63,), (64,), (65,), (1000,), (7, 3), (16, 9, 2)]),
+    grouping=st.sampled_from(["bucket", "column"]),
+    bucket_size=st.sampled_from([1, 7, 64, 100]),
+    seed=st.integers(0, 2**16),
+    zeros=st.booleans(),
+)
+def test_means_match_reference(shape, grouping, bucket_size, seed, zeros):
+    x = np.asarray(jax.random.normal(jax.random.key(seed), shape))
+    if zeros:  # exact zeros (and -0.0) belong to the non-negative side
+        x = np.where(np.abs(x) < 0.5, np.float32(0.0), x)
+        x.ravel()[::3] = np.where(x.ravel()[::3] == 0, np.float32(-0.0), x.ravel()[::3])
+    c = qc.onebit(grouping=grouping, bucket_size=bucket_size)
+    payload = jax.jit(c.encode)(x)
+    pos, neg = reference(x, grouping, bucket_size)
+    np.testing.assert_allclose(np.asarray(payload["pos"]), pos, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(payload["neg"]), neg, rtol=1e-5, atol=1e-6)
+    x_hat = np.asarray(jax.jit(c.decode)(payload))
+    flat_x = x.ravel()
+    if grouping == "column":
+        cols = int(np.prod(shape[1:]))
+        idx = np.arange(flat_x.size) % cols
+    else:
+        idx = np.arange(flat_x.size) // bucket_size
+    want = np.where(flat_x >= 0, pos[idx], neg[idx])
+    np.testing.assert_allclose(x_hat.ravel(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_bits_are_signs_packed_32_per_word():
+    x = jnp.array([1.0, -1.0, 0.0, -0.0, -3.0] + [2.0] * 30)
+    payload = qc.onebit().encode(x)
+    assert payload["bits"].dtype == jnp.uint32 and payload["bits"].shape == (2,)
+    bits = np.asarray(qc.unpack_bits(payload["bits"], 1, 35))
+    np.testing.assert_array_equal(bits, [1, 0, 1, 1, 0] + [1] * 30)
+
+
+def test_empty_side_decodes_sensibly():
+    c = qc.onebit(bucket_size=4)
+    x_hat = c.decode(c.encode(jnp.array([1.0, 2.0, 3.0, 6.0, -1.0, -3.0, -2.0, -2.0])))
+    np.testing.assert_allclose(np.asarray(x_hat), [3, 3, 3, 3, -2, -2, -2, -2])
+
+
+@pytest.mark.parametrize("shape,grouping,bucket,expected", [
+    ((1000,), "bucket", 64, 4 * 32 + 8 * 16),
+    ((1000,), "bucket", 1000, 4 * 32 + 8),
+    ((100, 30), "column", 64, 4 * 94 + 8 * 30),
+    ((0,), "bucket", 64, 0),
+])
+def test_payload_bytes_formula(shape, grouping, bucket, expected):
+    # 4 * ceil(n / 32) + 8 * num_groups
+    c = qc.onebit(grouping=grouping, bucket_size=bucket)
+    assert qc.payload_bytes(c.encode(jnp.ones(shape))) == expected
+
+
+def test_sampled_means_are_means_of_samples():
+    # Every sample lands in a constant bucket, so sampled means are exact.
+    x = jnp.repeat(jnp.array([2.0, -4.0, 1.0, -1.0]), 16)
+    c = qc.onebit(bucket_size=16, sample=3)
+    np.testing.assert_allclose(np.asarray(c.decode(c.encode(x, jax.random.key(0)))), x)
+
+
+def test_sampled_means_approach_exact_means():
+    x = jax.random.normal(jax.random.key(0), (64 * 1024,)) + 0.3
+    exact = qc.onebit(bucket_size=1024).encode(x)
+    sampled = qc.onebit(bucket_size=1024, sample=256).encode(x, jax.random.key(1))
+    for side in ("pos", "neg"):
+        diff = np.abs(np.asarray(sampled[side]) - np.asarray(exact[side]))
+        assert np.median(diff) < 0.1  # sampling std of a 256-sample mean ~ 0.04
+    assert not np.allclose(np.asarray(sampled["pos"]), np.asarray(exact["pos"]))
+
+
+def test_sampled_draws_depend_on_key():
+    x = jax.random.normal(jax.random.key(0), (4096,))
+    c = qc.onebit(bucket_size=512, sample=8)
+    a, b = c.encode(x, jax.random.key(1)), c.encode(x, jax.random.key(2))
+    assert not np.array_equal(np.asarray(a["pos"]), np.asarray(b["pos"]))
+
+
+@pytest.mark.parametrize("kwargs,arg", [
+    (dict(grouping="row"), "grouping"),
+    (dict(bucket_size=0), "bucket_size"),
+    (dict(bucket_size=2.5), "bucket_size"),
+    (dict(sample=0), "sample"),
+    (dict(sample=True), "sample"),
+])
+def test_bad_config(kwargs, arg):
+    with pytest.raises(ValueError, match=arg):
+        qc.onebit(**kwargs)
