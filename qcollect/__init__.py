@@ -14,24 +14,76 @@ qcollect imports jax and numpy only; the optax layer is the `transforms`
 package, installed by the same distribution.
 """
 
+from qcollect._adaptive import adaptive
 from qcollect._baseline import cast, identity
+from qcollect._compressed import ALGORITHMS, AllReduceResult, compressed_all_reduce
+from qcollect._entropy import EntropyCompressor, EntropyPlan, entropy
 from qcollect._onebit import onebit
 from qcollect._packing import pack_bits, packed_words, unpack_bits
 from qcollect._payload import Compressor, Payload, payload_bytes
+from qcollect._pca import PCAFit, pca, pca_fit
+from qcollect._powersgd import (
+    orthogonalize,
+    powersgd,
+    powersgd_init,
+    powersgd_matrix,
+    powersgd_matrix_shape,
+    powersgd_p,
+    powersgd_q,
+    powersgd_rank,
+    powersgd_reconstruct,
+    powersgd_should_compress,
+)
 from qcollect._qsgd import QSGD_BUCKET_SIZES, qsgd
+from qcollect._ring import (
+    ring_all_gather,
+    ring_all_reduce,
+    ring_bytes_per_device,
+    ring_reduce_scatter,
+)
+from qcollect._threshold import threshold
+from qcollect._wire import WireOp, wire_bytes, wire_report
 
 __all__ = [
+    "ALGORITHMS",
+    "AllReduceResult",
     "Compressor",
+    "EntropyCompressor",
+    "EntropyPlan",
+    "PCAFit",
     "Payload",
     "QSGD_BUCKET_SIZES",
+    "WireOp",
+    "adaptive",
     "cast",
+    "compressed_all_reduce",
+    "entropy",
     "identity",
     "onebit",
+    "orthogonalize",
     "pack_bits",
     "packed_words",
     "payload_bytes",
+    "pca",
+    "pca_fit",
+    "powersgd",
+    "powersgd_init",
+    "powersgd_matrix",
+    "powersgd_matrix_shape",
+    "powersgd_p",
+    "powersgd_q",
+    "powersgd_rank",
+    "powersgd_reconstruct",
+    "powersgd_should_compress",
     "qsgd",
+    "ring_all_gather",
+    "ring_all_reduce",
+    "ring_bytes_per_device",
+    "ring_reduce_scatter",
+    "threshold",
     "unpack_bits",
+    "wire_bytes",
+    "wire_report",
 ]
 
 __version__ = "0.1.0"

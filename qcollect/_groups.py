@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qcollect._random import hash_bits
+
 
 class Groups(NamedTuple):
     """A static grouping of ``size`` values.
@@ -94,3 +96,15 @@ def view_codes(codes: jax.Array, groups: Groups) -> jax.Array:
     if pad:
         codes = jnp.pad(codes, (0, pad))
     return codes.reshape(groups.view)
+
+
+def sample_within_groups(view: jax.Array, groups: Groups, key, m: int) -> jax.Array:
+    """``(num_groups, m)`` entries drawn uniformly, with replacement, per group."""
+    if groups.size == 0:
+        return jnp.zeros((groups.num_groups, m), jnp.float32)
+    counts = jnp.asarray(np.maximum(groups.counts, 1), jnp.uint32)[:, None]
+    within = hash_bits(key, (groups.num_groups, m)) % counts
+    group = jnp.arange(groups.num_groups, dtype=jnp.uint32)[:, None]
+    width = jnp.uint32(view.shape[1])
+    flat = group * width + within if groups.axis == 1 else within * width + group
+    return view.reshape(-1)[flat]

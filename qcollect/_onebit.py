@@ -8,9 +8,8 @@ section 2.2 (Algorithm 2) and 3.2.1.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
-import numpy as np
+from jax import lax
 
 from qcollect._config import check_choice, check_floating_input, check_int, require_key
 from qcollect._groups import (
@@ -18,12 +17,12 @@ from qcollect._groups import (
     column_groups,
     flat_codes,
     from_view,
+    sample_within_groups,
     to_view,
     view_codes,
 )
 from qcollect._packing import pack_bits, unpack_bits
 from qcollect._payload import Compressor, Payload, check_format
-from qcollect._random import hash_bits
 
 __all__ = ["onebit"]
 
@@ -77,20 +76,32 @@ def onebit(*, grouping: str = "bucket", bucket_size: int = 64,
     def groups_for(shape):
         return bucket_groups(shape, bucket_size) if grouping == "bucket" else column_groups(shape)
 
-    def means(view, groups, key):
-        if sample is None:
-            # Only unary and same-shape binary ops feed the reductions: XLA:CPU
-            # materialises scalar operands such as max(v, 0) as full arrays.
-            # v + |v| is exactly 2v or 0; |sign v| - sign v is 2 for negatives.
-            sign = jnp.sign(view)
-            pos_sum = 0.5 * jnp.sum(view + jnp.abs(view), axis=groups.axis)
-            neg_cnt = 0.5 * jnp.sum(jnp.abs(sign) - sign, axis=groups.axis)
-            # total - pos keeps NaN/Inf of the group in the negative mean
-            # (a NaN is neither >= 0 nor < 0, so it would otherwise vanish).
-            neg_sum = jnp.sum(view, axis=groups.axis) - pos_sum
-            pos_cnt = groups.counts - neg_cnt
-            return pos_sum / jnp.maximum(pos_cnt, 1), neg_sum / jnp.maximum(neg_cnt, 1)
-        picks = _sample(view, groups, key, sample)
+    def nonnegative_counts(view, groups, bits):
+        """Non-negatives per group: a popcount of the packed sign words when
+        every bucket is whole uint32 words (padding bits are 0), else a
+        reduction over the view."""
+        if grouping == "bucket" and bucket_size % 32 == 0:
+            words = bucket_size // 32
+            bits = jnp.pad(bits, (0, groups.num_groups * words - bits.shape[0]))
+            per_word = lax.population_count(bits).reshape(groups.num_groups, words)
+            return jnp.sum(per_word, axis=1, dtype=jnp.int32).astype(jnp.float32)
+        # Only unary and same-shape binary ops feed reductions: XLA:CPU
+        # materialises scalar operands such as (v >= 0) as full arrays.
+        # |sign v| - sign v is 2 for negatives and 0 otherwise.
+        sign = jnp.sign(view)
+        return groups.counts - 0.5 * jnp.sum(jnp.abs(sign) - sign, axis=groups.axis)
+
+    def exact_means(view, groups, bits):
+        # v + |v| is exactly 2v or 0. total - pos keeps NaN/Inf of the group in
+        # the negative mean (a NaN is neither >= 0 nor < 0, else it would vanish).
+        pos_sum = 0.5 * jnp.sum(view + jnp.abs(view), axis=groups.axis)
+        neg_sum = jnp.sum(view, axis=groups.axis) - pos_sum
+        pos_cnt = nonnegative_counts(view, groups, bits)
+        neg_cnt = groups.counts - pos_cnt
+        return pos_sum / jnp.maximum(pos_cnt, 1), neg_sum / jnp.maximum(neg_cnt, 1)
+
+    def sampled_means(view, groups, key):
+        picks = sample_within_groups(view, groups, key, sample)
         pos = picks >= 0
         pos_mean = jnp.sum(jnp.where(pos, picks, 0.0), -1) / jnp.maximum(jnp.sum(pos, -1), 1)
         neg_mean = jnp.sum(jnp.where(pos, 0.0, picks), -1) / jnp.maximum(jnp.sum(~pos, -1), 1)
@@ -104,8 +115,11 @@ def onebit(*, grouping: str = "bucket", bucket_size: int = 64,
             require_key(key, "onebit(sample=...)")
         groups = groups_for(x.shape)
         view = to_view(x, groups)
-        pos_mean, neg_mean = means(view, groups, key)
         bits = pack_bits(flat_codes(view >= 0, groups), 1)
+        if sample is None:
+            pos_mean, neg_mean = exact_means(view, groups, bits)
+        else:
+            pos_mean, neg_mean = sampled_means(view, groups, key)
         return Payload({"bits": bits, "pos": pos_mean, "neg": neg_mean},
                        tuple(x.shape), x.dtype, name)
 
@@ -116,16 +130,6 @@ def onebit(*, grouping: str = "bucket", bucket_size: int = 64,
         view = jnp.where(signs == 1, groups.expand(payload["pos"]), groups.expand(payload["neg"]))
         return from_view(view, groups, payload.shape, payload.dtype)
 
-    return Compressor(name, encode, decode, linear=False, stochastic=sample is not None)
+    return Compressor(name, encode, decode, linear=False, stochastic=sample is not None,
+                      block=bucket_size if grouping == "bucket" else 1)
 
-
-def _sample(view: jax.Array, groups, key, m: int) -> jax.Array:
-    """``(num_groups, m)`` entries drawn uniformly, with replacement, per group."""
-    if groups.size == 0:
-        return jnp.zeros((groups.num_groups, m), jnp.float32)
-    counts = jnp.asarray(np.maximum(groups.counts, 1), jnp.uint32)[:, None]
-    within = hash_bits(key, (groups.num_groups, m)) % counts
-    group = jnp.arange(groups.num_groups, dtype=jnp.uint32)[:, None]
-    width = jnp.uint32(view.shape[1])
-    flat = group * width + within if groups.axis == 1 else within * width + group
-    return view.reshape(-1)[flat]

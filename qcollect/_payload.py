@@ -58,6 +58,10 @@ class Compressor(NamedTuple):
       linear: True when ``decode(sum of payloads) == sum of decodes``, so
         payloads may be summed in the compressed domain.
       stochastic: True when encode consumes ``key``.
+      block: the compressor's natural granularity in values (QSGD and 1-bit
+        buckets, PCA slices; 1 when none). Collectives that cut a buffer into
+        per-device chunks align chunk boundaries to it, so chunked encoding
+        groups values exactly as encoding the whole buffer would.
 
     Example:
       >>> import jax, jax.numpy as jnp, qcollect as qc
@@ -72,6 +76,7 @@ class Compressor(NamedTuple):
     decode: Callable[[Payload], jax.Array]
     linear: bool
     stochastic: bool
+    block: int = 1
 
 
 def payload_bytes(tree) -> int:
@@ -84,7 +89,7 @@ def payload_bytes(tree) -> int:
     Example:
       >>> import jax, jax.numpy as jnp, qcollect as qc
       >>> qc.payload_bytes(jax.eval_shape(qc.onebit().encode, jnp.zeros(640)))
-      240
+      160
     """
     return int(
         sum(

@@ -58,8 +58,8 @@ def qsgd(*, bits: int = 4, bucket_size: int | None | str = "default", norm: str 
     Example:
       >>> import jax, jax.numpy as jnp, qcollect as qc
       >>> c = qc.qsgd(bits=8, stochastic=False)
-      >>> c.decode(c.encode(jnp.array([1.0, -0.5, 0.25])))
-      Array([ 1.        , -0.503937  ,  0.25196856], dtype=float32)
+      >>> c.decode(c.encode(jnp.array([1.0, -0.5, 0.25])))  # levels k/127
+      Array([ 1.       , -0.503937 ,  0.2519685], dtype=float32)
     """
     bits = check_choice("bits", bits, tuple(QSGD_BUCKET_SIZES))
     if isinstance(bucket_size, str):
@@ -109,4 +109,5 @@ def qsgd(*, bits: int = 4, bucket_size: int | None | str = "default", norm: str 
         view = jnp.where(codes >= sign_bit, -level, level) * step
         return from_view(view, groups, payload.shape, payload.dtype)
 
-    return Compressor(name, encode, decode, linear=False, stochastic=stochastic)
+    return Compressor(name, encode, decode, linear=False, stochastic=stochastic,
+                      block=bucket_size or 1)

@@ -4,6 +4,7 @@ import sys
 
 BENCHMARKS = {
     "quantizers": "qcollect.bench.quantizers",
+    "collectives": "qcollect.bench.collectives",
 }
 
 

@@ -23,18 +23,66 @@ import jax.numpy as jnp
 import qcollect as qc
 from qcollect.bench._timing import interleaved_medians
 
+
+def _tau_leaving(x, fraction: float) -> float:
+    """Strom's tau chosen to leave ``fraction`` of the values (Dryden Fig. 2: 1/32)."""
+    return float(jnp.quantile(jnp.abs(x.reshape(-1)[::97]), 1.0 - fraction))
+
+
+def _entropy_planned(x):
+    """Oland & Raj with the plan for ``x`` (compiled once per plan, as in training)."""
+    c = qc.entropy(floor=5)
+    return c.with_plan(jax.tree.map(int, c.plan(x, jax.random.key(1))))
+
+
+def _pca_fitted(x):
+    """GradiVeQ, K = 64, d = 8, fitted on every slice of ``x`` (an upper bound on fit quality)."""
+    fit = qc.pca_fit(x.reshape(1, -1), slice_size=64, rank=8, slices="all")
+    return qc.pca(fit.basis, fit.mean, num_workers=1)
+
+
+def _powersgd_round(rank: int):
+    """One worker's PowerSGD round (Vogels et al. Alg. 1): send P = M Q and Q' = M^T P."""
+
+    def make(x):
+        q0 = qc.powersgd_init(jax.random.key(2), x.shape, rank)
+
+        def encode(m, key=None):
+            p = qc.orthogonalize(qc.powersgd_p(qc.powersgd_matrix(m), q0))
+            q = qc.powersgd_q(qc.powersgd_matrix(m), p)
+            return qc.Payload({"p": p, "q": q}, tuple(m.shape), m.dtype, "powersgd-round")
+
+        def decode(payload):
+            m = qc.powersgd_reconstruct(payload["p"], payload["q"])
+            return m.reshape(payload.shape).astype(payload.dtype)
+
+        return qc.Compressor("powersgd-round", encode, decode, linear=False, stochastic=False)
+
+    return make
+
+
 COMPRESSORS = {
-    "identity": qc.identity,
-    "cast-bf16": lambda: qc.cast("bfloat16"),
-    "cast-fp16": lambda: qc.cast("float16"),
-    "onebit (bucket 64)": qc.onebit,
-    "onebit (column)": lambda: qc.onebit(grouping="column"),
-    "onebit (bucket 64, sample 8)": lambda: qc.onebit(sample=8),
-    "qsgd-2 (bucket 128)": lambda: qc.qsgd(bits=2),
-    "qsgd-4 (bucket 512)": lambda: qc.qsgd(bits=4),
-    "qsgd-4 nearest": lambda: qc.qsgd(bits=4, stochastic=False),
-    "qsgd-8 (bucket 512)": lambda: qc.qsgd(bits=8),
-    "qsgd-16 (bucket 8192)": lambda: qc.qsgd(bits=16),
+    "identity": lambda x: qc.identity(),
+    "cast-bf16": lambda x: qc.cast("bfloat16"),
+    "cast-fp16": lambda x: qc.cast("float16"),
+    "onebit (bucket 64)": lambda x: qc.onebit(),
+    "onebit (column)": lambda x: qc.onebit(grouping="column"),
+    "onebit (bucket 64, sample 8)": lambda x: qc.onebit(sample=8),
+    "qsgd-2 (bucket 128)": lambda x: qc.qsgd(bits=2),
+    "qsgd-4 (bucket 512)": lambda x: qc.qsgd(bits=4),
+    "qsgd-4 nearest": lambda x: qc.qsgd(bits=4, stochastic=False),
+    "qsgd-8 (bucket 512)": lambda x: qc.qsgd(bits=8),
+    "qsgd-16 (bucket 8192)": lambda x: qc.qsgd(bits=16),
+    # tau leaves ~1/40 of the values, inside the default 1/32 capacity.
+    "threshold (capacity 1/32)": lambda x: qc.threshold(_tau_leaving(x, 1 / 40)),
+    "threshold golomb-rice": lambda x: qc.threshold(_tau_leaving(x, 1 / 40),
+                                                    coding="golomb_rice"),
+    "threshold overflowing (1/16 over 1/32)": lambda x: qc.threshold(_tau_leaving(x, 1 / 16)),
+    "adaptive (pi 64, column)": lambda x: qc.adaptive(64),
+    "adaptive (pi 64, column, sample 256)": lambda x: qc.adaptive(64, sample=256),
+    "entropy (c 5, huffman)": _entropy_planned,
+    "pca (K 64, d 8)": _pca_fitted,
+    "powersgd round (rank 4)": _powersgd_round(4),
 }
 
 
@@ -59,7 +107,7 @@ def run(size: int, repeats: int, names: list[str]) -> list[dict]:
     scale_pass = jax.jit(lambda x: x * 1.5)
     rows = []
     for name in names:
-        c = COMPRESSORS[name]()
+        c = COMPRESSORS[name](x)
         encode, decode = jax.jit(c.encode), jax.jit(c.decode)
         payload = encode(x, key)
         err = float(jnp.linalg.norm(decode(payload).astype(jnp.float32) - x)) / norm

@@ -1,0 +1,303 @@
+"""GradiVeQ: a PCA linear compressor that commutes with summation.
+
+Yu et al., "GradiVeQ: Vector Quantization for Bandwidth-Efficient Gradient
+Aggregation in Distributed CNN Training" (NeurIPS 2018), sections 2 and 3.
+
+Each array is flattened row-major and cut into slices of ``K`` adjacent
+values. A slice ``g`` is sent as the ``d`` coefficients
+``g' = U_d^T (g - mu / N)`` (eq. 3); the sum of the ``N`` workers' coefficients
+is ``U_d^T (sum g - mu)`` (eq. 4), and one decode ``U_d g' + mu`` (eq. 5)
+yields the aggregated slice. `pca_fit` computes ``U_d`` and ``mu`` from
+``L_t`` sampled slices (section 3, eq. 6); `pca` is the compressor.
+
+Flattening order (Fig. 3a): the paper places the ``F`` collocated gradients
+of the ``F`` filters next to each other, then traverses depth, width and
+height. A Flax convolution kernel has shape ``(H, W, D, F)`` (HWIO), so its
+row-major flattening already puts ``F`` innermost, then ``D``, ``W``, ``H``:
+pass Flax kernels as they are. (A PyTorch ``(F, D, H, W)`` kernel must first be
+transposed to ``(H, W, D, F)``.) Pick ``K`` a multiple of ``F * D``
+(section 3, "Slice size K"; Fig. 5), e.g. ``3 * F * D`` for a 3x3 kernel. A
+dense kernel ``(in, out)`` likewise puts the ``out`` units innermost.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qcollect._config import check_choice, check_floating_input, check_int
+from qcollect._payload import Compressor, Payload, check_format
+
+__all__ = ["PCAFit", "pca", "pca_fit"]
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+class PCAFit(NamedTuple):
+    """The result of `pca_fit`.
+
+    Attributes:
+      basis: ``U_d``, float32 ``(K, r)`` with orthonormal columns, most
+        significant first; ``r`` is the static number of columns (``rank``,
+        the eq. 6 rank, or ``max_rank``).
+      mean: ``mu``, float32 ``(K,)``: the average of the sampled slices.
+      rank: ``d`` from eq. (6) (or the requested ``rank``). A Python int on the
+        host path, an int32 scalar under the capped path; it may exceed
+        ``basis.shape[1]`` when the cap was too small.
+      energy: float32 ``(K,)`` explained-energy curve,
+        ``energy[k] = sum(s[:k+1]) / sum(s)`` over the covariance eigenvalues
+        ``s`` in decreasing order (the left side of eq. 6 for ``d = k + 1``).
+        All NaN when the samples do not vary (then ``d = 1``) or hold NaN
+        (then ``mean`` is NaN too, so the compressor decodes NaN).
+    """
+
+    basis: jax.Array
+    mean: jax.Array
+    rank: Any
+    energy: jax.Array
+
+
+def _check_loss_threshold(value) -> float:
+    ok = isinstance(value, (int, float, np.floating)) and not isinstance(value, bool)
+    if not ok or not (0.0 <= float(value) < 1.0):
+        raise ValueError(f"loss_threshold must be a number in [0, 1), got {value!r}")
+    return float(value)
+
+
+def _eq6_rank(energy: jax.Array, loss_threshold: float) -> jax.Array:
+    """Smallest ``d`` with ``energy[d - 1] >= 1 - loss_threshold`` (eq. 6), in [1, K].
+
+    All-zero samples (no energy, a NaN curve) give ``d = 1``.
+    """
+    short = jnp.sum((energy < 1.0 - loss_threshold).astype(jnp.int32))
+    return jnp.clip(short + 1, 1, energy.shape[0])
+
+
+def _sample_slices(samples: jax.Array, slice_size: int, slices: str) -> jax.Array:
+    """``(num_samples, ...)`` samples -> float32 ``(rows, K)`` slice matrix."""
+    flat = samples.reshape(samples.shape[0], -1).astype(jnp.float32)
+    length = flat.shape[1]
+    if slices == "first":
+        return flat[:, :slice_size]
+    full = length // slice_size
+    return flat[:, : full * slice_size].reshape(-1, slice_size)
+
+
+@functools.partial(jax.jit, static_argnames=("slice_size", "slices"))
+def _spectrum(samples, slice_size, slices):
+    """Mean, eigenvectors (decreasing eigenvalue) and explained-energy curve."""
+    rows = _sample_slices(samples, slice_size, slices)
+    mean = jnp.mean(rows, axis=0)
+    centred = rows - mean
+    cov = jnp.matmul(centred.T, centred, precision=_HIGHEST) / rows.shape[0]
+    eigvals, eigvecs = jnp.linalg.eigh(cov)
+    eigvals = jnp.flip(jnp.maximum(eigvals, 0.0))
+    energy = jnp.cumsum(eigvals) / jnp.sum(eigvals)
+    return mean, jnp.flip(eigvecs, axis=1), energy
+
+
+def pca_fit(samples, *, slice_size: int, loss_threshold: float | None = None,
+            rank: int | None = None, max_rank: int | None = None,
+            slices: str = "first") -> PCAFit:
+    """Fits GradiVeQ's compressor ``U_d`` and whitening vector ``mu`` (section 3).
+
+    ``samples`` holds ``L_t`` samples of the aggregated gradient (the sum over
+    workers, the quantity that is decoded), stacked along axis 0: shape
+    ``(L_t, *leaf_shape)``. Each sample is flattened row-major, the order the
+    compressor uses, and cut into slices of ``slice_size`` values. With
+    ``slices="first"`` only the first slice of every sample is used: the paper's
+    compressor reuse factor ``s = inf``, one compressor per layer computed from
+    its first slice and applied to all of them (section 3, "Compressor reuse
+    factor s"). With ``slices="all"`` every full slice of every sample is
+    pooled (``L_t * floor(size / K)`` rows) into one shared estimate; with
+    few samples (``L_t`` well below ``K``) it usually generalizes better to
+    the following iterations, at a larger ``d``. An already sliced
+    ``(L_t, K)`` array is both.
+
+    ``mu`` is the sample mean; the covariance of the centred slices is
+    eigen-decomposed (`jnp.linalg.eigh`, float32) and ``U_d`` is its ``d`` most
+    significant eigenvectors. ``d`` is either given (``rank``) or the smallest
+    rank whose explained energy reaches ``1 - loss_threshold`` (eq. 6).
+
+    Static shapes: the eq. 6 rank depends on the data. Two ways to live with it:
+
+    * host planning (``max_rank=None``): call `pca_fit` outside `jax.jit` on
+      concrete samples; ``rank`` is a Python int and ``basis`` has exactly
+      ``d`` columns. Build `pca` from it and compile the step for that ``d``
+      (one compiled step per plan, reused for the ``L_c`` compressed
+      iterations). Under a trace this path raises ValueError.
+    * capped (``max_rank=r``): works under `jax.jit`. ``basis`` always has ``r``
+      columns; columns ``d..r-1`` are zero, so their coefficients are zero on
+      the wire and decode exactly as the eq. 6 truncation. The wire carries
+      ``r`` coefficients per slice. When ``d > r`` nothing is zeroed and the
+      loss exceeds ``loss_threshold`` (``rank`` still reports ``d``; error
+      feedback keeps what is lost).
+
+    Args:
+      samples: floating array ``(L_t, ...)``; ``L_t >= 1`` samples of at least
+        ``slice_size`` values each.
+      slice_size: ``K >= 1``, values per slice.
+      loss_threshold: ``lambda`` in [0, 1) of eq. (6). Exactly one of
+        ``loss_threshold`` and ``rank`` must be given.
+      rank: a fixed ``d`` in [1, K].
+      max_rank: with ``loss_threshold`` only: the static cap ``r`` in [1, K].
+      slices: ``"first"`` (default, the paper's ``s = inf``) or ``"all"``.
+
+    Returns:
+      A `PCAFit` ``(basis, mean, rank, energy)``.
+
+    References:
+      GradiVeQ, section 2 (PCA after eq. 5) and section 3 ("Compressor
+      dimension d", eq. 6; "Slice size K").
+
+    Example:
+      >>> import jax, jax.numpy as jnp, qcollect as qc
+      >>> z = jax.random.normal(jax.random.key(0), (100, 2))
+      >>> g = z @ jnp.array([[1.0, 2.0, 3.0, 4.0], [0.0, 1.0, 0.0, -1.0]])
+      >>> fit = qc.pca_fit(g, slice_size=4, loss_threshold=0.01)
+      >>> fit.rank, fit.basis.shape
+      (2, (4, 2))
+    """
+    slice_size = check_int("slice_size", slice_size, low=1)
+    check_choice("slices", slices, ("first", "all"))
+    if (loss_threshold is None) == (rank is None):
+        raise ValueError("exactly one of loss_threshold and rank must be given, got "
+                         f"loss_threshold={loss_threshold!r}, rank={rank!r}")
+    if rank is not None:
+        rank = check_int("rank", rank, low=1, high=slice_size)
+        if max_rank is not None:
+            raise ValueError(f"max_rank applies to loss_threshold only, got max_rank={max_rank!r}")
+    else:
+        loss_threshold = _check_loss_threshold(loss_threshold)
+        max_rank = check_int("max_rank", max_rank, low=1, high=slice_size, allow_none=True)
+    samples = jnp.asarray(samples)
+    check_floating_input(samples)
+    if samples.ndim < 1 or samples.shape[0] < 1:
+        raise ValueError(f"samples must have shape (num_samples >= 1, ...), got {samples.shape}")
+    host = rank is None and max_rank is None
+    if host and isinstance(samples, jax.core.Tracer):
+        raise ValueError("loss_threshold without max_rank picks d on the host and needs "
+                         "concrete samples; under jax.jit pass max_rank (a static cap)")
+
+    length = math.prod(samples.shape[1:])
+    if length < slice_size:
+        raise ValueError(
+            f"slice_size must be at most the sample length {length}, got {slice_size}")
+    mean, eigvecs, energy = _spectrum(samples, slice_size, slices)
+    if rank is not None:
+        return PCAFit(eigvecs[:, :rank], mean, rank, energy)
+    d = _eq6_rank(energy, loss_threshold)
+    if host:
+        d = int(d)
+        return PCAFit(eigvecs[:, :d], mean, d, energy)
+    keep = jnp.arange(max_rank) < d
+    return PCAFit(eigvecs[:, :max_rank] * keep, mean, d, energy)
+
+
+def pca(basis, mean=None, *, num_workers: int) -> Compressor:
+    """GradiVeQ's linear compressor over slices of ``K`` adjacent values.
+
+    The array is flattened row-major (see the module docstring for conv
+    kernels) and cut into ``floor(size / K)`` full slices; each slice ``g``
+    is sent as ``g' = U_d^T (g - mu / N)`` (eq. 3), ``d`` float32 words.
+    Payload arrays:
+
+    * ``coeffs``: float32 ``(num_slices, d)``.
+    * ``tail``: the last ``size mod K`` values that do not fill a slice, sent
+      raw as float32 (lossless; absent when ``K`` divides the size). An array
+      shorter than ``K`` is all tail and is not compressed.
+    * ``weight``: one float32 ``1.0`` (only when ``mean`` is given).
+
+    Payload size: ``4 * (num_slices * d + size mod K + [mean given])`` bytes,
+    so the wire shrinks by about ``K / d`` (eq. 3, ``r = K / d``).
+
+    Linearity: decode is ``U_d g' + (w / N) mu`` per slice with ``w`` the
+    summed weight. Summing the payloads of the ``N`` workers gives
+    ``w = N`` and decodes to ``U_d U_d^T (sum g - mu) + mu`` (eq. 4, 5);
+    decoding one worker's payload gives its share ``U_d g'_n + mu / N``, the
+    local reconstruction of eq. (7). So decode(sum of payloads) equals the sum
+    of decodes for any subset of workers, as the ring of Algorithm 1 and error
+    feedback need. (Deviation: the paper sends no weight; without it the
+    affine eq. 5 decode would not be linear in the payload. It costs 4 bytes
+    per array.)
+
+    ``basis`` and ``mean`` are captured by the compressor, not sent: every
+    worker holds the same ones (they come from `pca_fit` on the aggregated
+    samples, which all workers see). They may be traced arrays, e.g. read
+    from optimizer state inside a jitted step; only their shapes are static.
+
+    Args:
+      basis: ``U_d``, ``(K, d)`` with ``1 <= d <= K``, orthonormal columns
+        (zero columns are allowed: they send zeros).
+      mean: ``mu``, ``(K,)``, or None for no whitening (no weight is sent).
+      num_workers: ``N >= 1``, the number of payloads that are summed.
+
+    Returns:
+      A `Compressor` with ``linear=True`` and ``stochastic=False``.
+
+    Non-finite values in a slice make its coefficients, and so the whole
+    decoded slice, non-finite.
+
+    References:
+      GradiVeQ, section 2, eq. (1) and (3)-(5), Fig. 3, Algorithm 1.
+
+    Example:
+      >>> import jax.numpy as jnp, qcollect as qc
+      >>> c = qc.pca(jnp.eye(4)[:, :2], jnp.zeros(4), num_workers=2)
+      >>> p = c.encode(jnp.arange(10.0))
+      >>> p["coeffs"].shape, p["tail"].shape, qc.payload_bytes(p)
+      ((2, 2), (2,), 28)
+      >>> c.decode(p)
+      Array([0., 1., 0., 0., 4., 5., 0., 0., 8., 9.], dtype=float32)
+    """
+    num_workers = check_int("num_workers", num_workers, low=1)
+    if getattr(basis, "ndim", None) != 2 or basis.shape[0] < 1 or not (
+            1 <= basis.shape[1] <= basis.shape[0]):
+        raise ValueError("basis must be a (K, d) array with 1 <= d <= K, got shape "
+                         f"{getattr(basis, 'shape', None)}")
+    slice_size, dim = int(basis.shape[0]), int(basis.shape[1])
+    if mean is not None and tuple(getattr(mean, "shape", ())) != (slice_size,):
+        raise ValueError(f"mean must have shape ({slice_size},) to match basis, "
+                         f"got {getattr(mean, 'shape', None)}")
+    u = jnp.asarray(basis, jnp.float32)
+    mu = None if mean is None else jnp.asarray(mean, jnp.float32)
+    name = f"pca/K{slice_size}/d{dim}" + ("" if mu is None else f"/N{num_workers}")
+
+    def encode(x, key=None):
+        x = jnp.asarray(x)
+        check_floating_input(x)
+        flat = jnp.ravel(x).astype(jnp.float32)
+        full = flat.shape[0] // slice_size
+        arrays = {}
+        if full:
+            view = flat[: full * slice_size].reshape(full, slice_size)
+            if mu is not None:
+                view = view - mu * (1.0 / num_workers)
+            arrays["coeffs"] = jnp.matmul(view, u, precision=_HIGHEST)
+        if flat.shape[0] > full * slice_size:
+            arrays["tail"] = flat[full * slice_size:]
+        if mu is not None:
+            arrays["weight"] = jnp.ones((), jnp.float32)
+        return Payload(arrays, tuple(x.shape), x.dtype, name)
+
+    def decode(payload):
+        check_format(payload, name)
+        size = math.prod(payload.shape)
+        full = size // slice_size
+        parts = []
+        if full:
+            view = jnp.matmul(payload["coeffs"], u.T, precision=_HIGHEST)
+            if mu is not None:
+                view = view + (payload["weight"] * (1.0 / num_workers)) * mu
+            parts.append(view.reshape(-1))
+        if size > full * slice_size:
+            parts.append(payload["tail"])
+        flat = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.float32)
+        return flat.reshape(payload.shape).astype(payload.dtype)
+
+    return Compressor(name, encode, decode, linear=True, stochastic=False, block=slice_size)

@@ -1,0 +1,271 @@
+"""PowerSGD low-rank compression: pure building blocks and a linear compressor.
+
+Vogels, Karimireddy, Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression
+for Distributed Optimization" (NeurIPS 2019), Algorithm 1, as PyTorch's
+``powerSGD_hook`` implements it. Every leaf is viewed as a matrix
+``M = x.reshape(shape[0], -1)`` of shape ``(n, m)``; with a rank ``r`` and a
+``Q`` of shape ``(m, r)`` (random at first, then reused: warm start) one step
+of data-parallel PowerSGD on ``N`` workers is::
+
+    P_i = M_i Q                      # powersgd_p          (n, r) per worker
+    P   = sum_i P_i                  # all-reduce #1, a compressed-domain sum
+    P   = orthogonalize(P)           # Gram-Schmidt, identical on all workers
+    Q_i = M_i^T P                    # powersgd_q          (m, r) per worker
+    Q   = sum_i Q_i / N              # all-reduce #2
+    M^  = P Q^T                      # powersgd_reconstruct: the mean's rank-r approximation
+    e_i = M_i - M^                   # error feedback (PyTorch keeps M_i - M^)
+    Q is kept for the next step       # warm start
+
+Both all-reduces sum payloads that are linear in ``M_i`` for a factor every
+worker shares, so each half is a linear `Compressor` (`powersgd`) that any
+compressed-domain collective can carry:
+
+* ``powersgd(Q, side="right")``: encode ``M -> P = M Q``; decode ``P Q^T``.
+  Only the summed payload matters here (it is orthogonalized next).
+* ``powersgd(P, side="left")`` with the orthogonalized ``P``: encode
+  ``M -> Q = M^T P``; decode ``P Q^T``. Its decode of the summed payload is
+  ``P P^T sum_i M_i``, the PowerSGD output (times ``N``), and decoding one
+  worker's payload gives that worker's contribution ``P P^T M_i``.
+
+The state (``Q`` per leaf, the residuals) and the two collectives live in the
+optax layer; this module is pure and holds no state. PyTorch switches to QR
+for ``r > 2`` in float32; here Gram-Schmidt is used for every rank (same span
+and, up to rounding, the same result).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from qcollect._config import check_choice, check_float, check_floating_input, check_int
+from qcollect._payload import Compressor, Payload, check_format
+
+__all__ = [
+    "orthogonalize",
+    "powersgd",
+    "powersgd_init",
+    "powersgd_matrix",
+    "powersgd_matrix_shape",
+    "powersgd_p",
+    "powersgd_q",
+    "powersgd_rank",
+    "powersgd_reconstruct",
+    "powersgd_should_compress",
+]
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def powersgd_matrix_shape(shape) -> tuple[int, int]:
+    """The ``(n, m)`` matrix view of a leaf, as PyTorch's ``view(shape[0], -1)``.
+
+    A vector ``(n,)`` is ``(n, 1)``; a scalar is ``(1, 1)``.
+
+    Example:
+      >>> import qcollect as qc
+      >>> qc.powersgd_matrix_shape((3, 3, 16, 32))
+      (3, 1536)
+    """
+    shape = tuple(int(s) for s in shape)
+    if not shape:
+        return (1, 1)
+    return (shape[0], math.prod(shape[1:]))
+
+
+def powersgd_matrix(x) -> jax.Array:
+    """``x`` as its float32 ``(n, m)`` matrix view (see `powersgd_matrix_shape`).
+
+    Undo it with ``m.reshape(x.shape).astype(x.dtype)``.
+    """
+    x = jnp.asarray(x)
+    return x.reshape(powersgd_matrix_shape(x.shape)).astype(jnp.float32)
+
+
+def powersgd_rank(shape, rank: int) -> int:
+    """The rank PyTorch uses for a leaf: ``min(n, m, rank)``."""
+    rank = check_int("rank", rank, low=1)
+    n, m = powersgd_matrix_shape(shape)
+    return max(min(n, m, rank), 1)
+
+
+def powersgd_should_compress(shape, rank: int, *, min_compression_rate: float = 2.0) -> bool:
+    """Whether a leaf is worth compressing (PyTorch's ``_should_compress``).
+
+    True for leaves of two or more dimensions whose ``(n, m)`` view satisfies
+    ``(n + m) * r * min_compression_rate < n * m`` with ``r = min(n, m, rank)``.
+    Vectors and scalars are never compressed (PyTorch sends them raw).
+
+    Args:
+      shape: the leaf's shape.
+      rank: the requested approximation rank, >= 1.
+      min_compression_rate: > 0; PyTorch's default is 2.
+
+    Example:
+      >>> import qcollect as qc
+      >>> qc.powersgd_should_compress((512, 256), 4), qc.powersgd_should_compress((512,), 4)
+      (True, False)
+    """
+    r = powersgd_rank(shape, rank)
+    rate = check_float("min_compression_rate", min_compression_rate, low=0.0)
+    if len(tuple(shape)) < 2:
+        return False
+    n, m = powersgd_matrix_shape(shape)
+    return (n + m) * r * rate < n * m
+
+
+def orthogonalize(p, epsilon: float = 1e-8) -> jax.Array:
+    """Orthonormalizes the columns of ``p`` by Gram-Schmidt, as PyTorch's hook.
+
+    For ``i = 0 .. r-1``: ``p_i /= ||p_i|| + epsilon``, then its projection is
+    removed from the later columns. Batched over leading axes: ``p`` is
+    ``(..., n, r)``, each ``(n, r)`` matrix is processed on its own. Computed
+    in float32 and returned in ``p``'s dtype.
+
+    ``epsilon > 0`` keeps degenerate input finite: a zero column comes out as
+    zeros instead of NaN, and a linearly dependent column as its normalized
+    rounding leftover (finite, but not a meaningful direction), as in
+    PyTorch. With ``epsilon = 0`` a zero column gives NaN, as in PyTorch.
+    Non-finite input stays non-finite.
+
+    Args:
+      p: floating array ``(..., n, r)``, ``r <= n`` for orthonormal output.
+      epsilon: >= 0, added to every column norm.
+
+    Returns:
+      ``p`` with orthonormal columns (for full-column-rank input).
+
+    Example:
+      >>> import jax.numpy as jnp, qcollect as qc
+      >>> qc.orthogonalize(jnp.array([[3.0, 0.0], [4.0, 5.0]]), 0.0)
+      Array([[ 0.6      , -0.8000001],
+             [ 0.8      ,  0.6      ]], dtype=float32)
+    """
+    epsilon = check_float("epsilon", epsilon, low=0.0, low_inclusive=True)
+    p = jnp.asarray(p)
+    check_floating_input(p)
+    if p.ndim < 2:
+        raise ValueError(f"p must have shape (..., n, r), got {p.shape}")
+    return _gram_schmidt(p, epsilon)
+
+
+@functools.partial(jax.jit, static_argnames="epsilon")
+def _gram_schmidt(p, epsilon):
+    rest = p.astype(jnp.float32)
+    cols = []
+    for _ in range(p.shape[-1]):
+        col = rest[..., :, :1]
+        col = col / (jnp.sqrt(jnp.sum(col * col, axis=-2, keepdims=True)) + epsilon)
+        cols.append(col)
+        rest = rest[..., :, 1:]
+        rest = rest - jnp.sum(col * rest, axis=-2, keepdims=True) * col
+    if not cols:
+        return p
+    return jnp.concatenate(cols, axis=-1).astype(p.dtype)
+
+
+def _matmul(a, b):
+    return jnp.matmul(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32),
+                      precision=_HIGHEST)
+
+
+def powersgd_p(m, q) -> jax.Array:
+    """``P = M Q``: ``(..., n, m) @ (..., m, r) -> (..., n, r)`` float32."""
+    return _matmul(m, q)
+
+
+def powersgd_q(m, p) -> jax.Array:
+    """``Q = M^T P``: ``(..., n, m)^T @ (..., n, r) -> (..., m, r)`` float32."""
+    return _matmul(jnp.swapaxes(jnp.asarray(m), -1, -2), p)
+
+
+def powersgd_reconstruct(p, q) -> jax.Array:
+    """``M^ = P Q^T``: ``(..., n, r) @ (..., m, r)^T -> (..., n, m)`` float32."""
+    return _matmul(p, jnp.swapaxes(jnp.asarray(q), -1, -2))
+
+
+def powersgd_init(key, shape, rank: int, *, epsilon: float = 1e-8) -> jax.Array:
+    """A first ``Q`` for a leaf: orthogonalized standard normal, ``(m, r)`` float32.
+
+    ``r = powersgd_rank(shape, rank)``. Use the same key on every worker (the
+    factor must be shared); PyTorch seeds all ranks alike for the same reason.
+    """
+    r = powersgd_rank(shape, rank)
+    _, m = powersgd_matrix_shape(shape)
+    epsilon = check_float("epsilon", epsilon, low=0.0, low_inclusive=True)
+    return _random_factor(key, (m, r), epsilon)
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "epsilon"))
+def _random_factor(key, shape, epsilon):
+    return _gram_schmidt(jax.random.normal(key, shape, jnp.float32), epsilon)
+
+
+def powersgd(factor, *, side: str = "right") -> Compressor:
+    """One half of a PowerSGD step as a linear compressor with a shared factor.
+
+    The input ``x`` is viewed as ``M`` of shape ``(n, m)`` (`powersgd_matrix`).
+
+    * ``side="right"``, ``factor = Q`` of shape ``(m, r)``: payload
+      ``{"p": M Q}``, float32 ``(n, r)``, ``4 n r`` bytes; decode ``P Q^T``
+      (with orthonormal ``Q``, the projection ``M Q Q^T``).
+    * ``side="left"``, ``factor = P`` of shape ``(n, r)``: payload
+      ``{"q": M^T P}``, float32 ``(m, r)``, ``4 m r`` bytes; decode ``P Q^T``
+      (with orthonormal ``P``, the projection ``P P^T M``).
+
+    Both are linear in ``M`` for a fixed factor, so payloads sum in the
+    compressed domain. The factor is captured, not sent: all workers must
+    hold the same one (see the module docstring for the two-round step); it
+    may be a traced array from optimizer state. A one-shot use
+    (``side="right"`` with a fixed orthonormal ``Q``) is a plain linear
+    low-rank projection.
+
+    Args:
+      factor: float array, ``Q`` ``(m, r)`` or ``P`` ``(n, r)``, ``r >= 1``.
+      side: ``"right"`` (default) or ``"left"``.
+
+    Returns:
+      A `Compressor` with ``linear=True`` and ``stochastic=False``.
+
+    References:
+      Vogels et al., PowerSGD, Algorithm 1 (one power iteration with warm
+      start); PyTorch ``powerSGD_hook``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, qcollect as qc
+      >>> q = qc.powersgd_init(jax.random.key(0), (8, 6), 2)
+      >>> c = qc.powersgd(q)
+      >>> p = c.encode(jnp.ones((8, 6)))
+      >>> p["p"].shape, qc.payload_bytes(p), c.decode(p).shape
+      ((8, 2), 64, (8, 6))
+    """
+    check_choice("side", side, ("right", "left"))
+    if getattr(factor, "ndim", None) != 2 or factor.shape[1] < 1:
+        raise ValueError(f"factor must be a (rows, rank) array with rank >= 1, got shape "
+                         f"{getattr(factor, 'shape', None)}")
+    f = jnp.asarray(factor, jnp.float32)
+    length, rank = int(f.shape[0]), int(f.shape[1])
+    axis = 1 if side == "right" else 0
+    leaf = "p" if side == "right" else "q"
+    name = f"powersgd/{side}/{length}x{rank}"
+
+    def encode(x, key=None):
+        x = jnp.asarray(x)
+        check_floating_input(x)
+        mat = powersgd_matrix(x)
+        if mat.shape[axis] != length:
+            raise ValueError(f"x has matrix view {mat.shape}; factor {f.shape} needs "
+                             f"{length} {'columns' if axis else 'rows'}")
+        code = powersgd_p(mat, f) if side == "right" else powersgd_q(mat, f)
+        return Payload({leaf: code}, tuple(x.shape), x.dtype, name)
+
+    def decode(payload):
+        check_format(payload, name)
+        code = payload[leaf]
+        mat = powersgd_reconstruct(code, f) if side == "right" else powersgd_reconstruct(f, code)
+        return mat.reshape(payload.shape).astype(payload.dtype)
+
+    return Compressor(name, encode, decode, linear=True, stochastic=False)

@@ -1,0 +1,160 @@
+"""compressed_all_reduce: every algorithm, against psum and its own invariants."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from jax import lax
+
+import qcollect as qc
+from qcollect._compressed import chunk_length
+from tests.helpers import per_device
+
+
+def _reduce(n, compressor, algorithm, **kw):
+    def fn(x, key):
+        return qc.compressed_all_reduce(x, "d", compressor, key, algorithm=algorithm, **kw)
+    return per_device(fn, n)
+
+
+def _keys(n, seed=0):
+    # The same key on every device: compressed_all_reduce folds in the index.
+    return jnp.stack([jax.random.key(seed)] * n)
+
+
+@given(n=st.sampled_from([1, 2, 3, 4, 8]), length=st.integers(1, 200),
+       algorithm=st.sampled_from(qc.ALGORITHMS), seed=st.integers(0, 99))
+def test_identity_equals_psum(n, length, algorithm, seed):
+    x = jax.random.normal(jax.random.key(seed), (n, length))
+    out = _reduce(n, qc.identity(), algorithm)(x, _keys(n))
+    want = per_device(lambda v: lax.psum(v, "d"), n)(x)
+    np.testing.assert_allclose(np.asarray(out.value), np.asarray(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out.contributed), np.asarray(x))
+
+
+@pytest.mark.parametrize("algorithm", qc.ALGORITHMS)
+def test_identity_pytree_mean_fused_and_separate(algorithm):
+    n = 4
+    tree = {"w": jax.random.normal(jax.random.key(0), (n, 5, 3)),
+            "b": jax.random.normal(jax.random.key(1), (n, 7)).astype(jnp.bfloat16),
+            "s": jax.random.normal(jax.random.key(2), (n,))}
+    for fuse in (True, False):
+        out = _reduce(n, qc.identity(), algorithm, mean=True, fuse=fuse)(tree, _keys(n))
+        for name, leaf in tree.items():
+            got = np.asarray(out.value[name], np.float32)
+            assert out.value[name].dtype == leaf.dtype and got.shape == leaf.shape
+            want = np.asarray(leaf, np.float32).mean(0)
+            tol = 3e-2 if leaf.dtype == jnp.bfloat16 else 1e-5
+            np.testing.assert_allclose(got, np.broadcast_to(want, got.shape), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("algorithm", ["pairwise", "ring_requantize"])
+@pytest.mark.parametrize("compressor", [qc.qsgd(bits=4), qc.onebit(), qc.qsgd(bits=2)],
+                         ids=lambda c: c.name)
+def test_replicas_agree(algorithm, compressor):
+    n = 4
+    x = jax.random.normal(jax.random.key(3), (n, 333))
+    value = np.asarray(_reduce(n, compressor, algorithm)(x, _keys(n)).value)
+    for i in range(1, n):
+        np.testing.assert_array_equal(value[i], value[0])
+
+
+def test_qsgd_pairwise_is_unbiased():
+    n, length, draws = 4, 64, 300
+    x = jax.random.normal(jax.random.key(4), (n, length))
+    run = _reduce(n, qc.qsgd(bits=2, bucket_size=16), "pairwise")
+    values = np.stack([np.asarray(run(x, _keys(n, seed)).value)[0] for seed in range(draws)])
+    want = np.asarray(x).sum(0)
+    std_err = values.std(0) / np.sqrt(draws)
+    assert np.all(np.abs(values.mean(0) - want) <= 5 * std_err + 1e-6)
+    assert np.abs(values[0] - want).max() > 0.01  # each draw is lossy
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+@pytest.mark.parametrize("compressor", [qc.qsgd(bits=4), qc.onebit()], ids=lambda c: c.name)
+def test_pairwise_error_feedback_identity(n, compressor):
+    """sum of contributions == value + sum of owner errors (nothing is lost)."""
+    x = jax.random.normal(jax.random.key(5), (n, 1000))
+    out = _reduce(n, compressor, "pairwise")(x, _keys(n))
+    lhs = np.asarray(out.contributed, np.float64).sum(0)
+    rhs = np.asarray(out.value, np.float64)[0] + np.asarray(out.owner_error, np.float64).sum(0)
+    np.testing.assert_allclose(lhs, rhs, rtol=1e-4, atol=1e-4)
+    # Each device's owner error is zero outside its own chunk.
+    chunk = chunk_length(1000, n, compressor)  # block-aligned when blocks fit
+    owner_error = np.asarray(out.owner_error)
+    for i in range(n):
+        err = owner_error[i].copy()
+        err[i * chunk:(i + 1) * chunk] = 0
+        assert np.all(err == 0)
+
+
+def test_owner_residual_is_fed_back():
+    n = 4
+    x = jax.random.normal(jax.random.key(6), (n, 100))
+    c = qc.qsgd(bits=8, stochastic=False)
+    residual = jnp.zeros((n, 100)).at[:, :].set(0.25)
+    run = per_device(lambda v, r: qc.compressed_all_reduce(
+        v, "d", c, algorithm="pairwise", owner_residual=r), n)
+    base = np.asarray(_reduce(n, c, "pairwise")(x, _keys(n)).value)[0]
+    # Only the owner's chunk of the residual counts: 0.25 per element in total.
+    fed = np.asarray(run(x, residual).value)[0]
+    np.testing.assert_allclose(fed - base, 0.25, atol=0.05)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_pca_ring_equals_decoded_psum_of_encodings(n):
+    k, d = 16, 4
+    length = k * 3 * n  # whole slices per device chunk, as GradiVeQ's segments
+    basis, _ = jnp.linalg.qr(jax.random.normal(jax.random.key(7), (k, d)))
+    mean = jax.random.normal(jax.random.key(8), (k,))
+    c = qc.pca(basis, mean, num_workers=n)
+    x = jax.random.normal(jax.random.key(9), (n, length))
+    ring = _reduce(n, c, "ring")(x, _keys(n)).value
+    want = per_device(lambda v: c.decode(lax.psum(c.encode(v), "d")), n)(x)
+    np.testing.assert_allclose(np.asarray(ring), np.asarray(want), rtol=1e-4, atol=1e-4)
+    # A ragged length still works; only the padded last slice is compressed differently.
+    ragged = jax.random.normal(jax.random.key(9), (n, length + 5))
+    out = np.asarray(_reduce(n, c, "ring")(ragged, _keys(n)).value)
+    want = np.asarray(per_device(lambda v: c.decode(lax.psum(c.encode(v), "d")), n)(ragged))
+    np.testing.assert_allclose(out[:, :length - k], want[:, :length - k], rtol=1e-4, atol=1e-4)
+
+
+def test_ring_requantize_error_grows_with_devices():
+    c, errs = qc.qsgd(bits=4), {}
+    for n in (2, 8):
+        x = jax.random.normal(jax.random.key(10), (n, 4096))
+        value = np.asarray(_reduce(n, c, "ring_requantize")(x, _keys(n)).value)[0]
+        want = np.asarray(x).sum(0)
+        errs[n] = np.linalg.norm(value - want) / np.linalg.norm(want)
+    pair = {}
+    for n in (2, 8):
+        x = jax.random.normal(jax.random.key(10), (n, 4096))
+        value = np.asarray(_reduce(n, c, "pairwise")(x, _keys(n)).value)[0]
+        want = np.asarray(x).sum(0)
+        pair[n] = np.linalg.norm(value - want) / np.linalg.norm(want)
+    assert errs[8] > 1.3 * errs[2]
+    assert errs[8] > pair[8]
+
+
+def test_bad_arguments():
+    run = lambda **kw: per_device(  # noqa: E731
+        lambda v: qc.compressed_all_reduce(v, "d", **kw).value, 2)(jnp.ones((2, 4)))
+    with pytest.raises(ValueError, match="linear"):
+        run(compressor=qc.qsgd(), key=jax.random.key(0), algorithm="ring")
+    with pytest.raises(ValueError, match="algorithm"):
+        run(compressor=qc.identity(), algorithm="tree")
+    with pytest.raises(ValueError, match="key"):
+        run(compressor=qc.qsgd())
+    with pytest.raises(ValueError, match="owner_residual"):
+        run(compressor=qc.identity(), algorithm="ring", owner_residual=jnp.ones(4))
+
+
+def test_under_pmap():
+    n = 4
+    x = jax.random.normal(jax.random.key(11), (n, 50))
+    out = jax.pmap(lambda v: qc.compressed_all_reduce(v, "i", qc.identity(),
+                                                      algorithm="pairwise").value,
+                   axis_name="i", devices=jax.devices()[:n])(x)
+    np.testing.assert_allclose(np.asarray(out)[2], np.asarray(x).sum(0), rtol=1e-5, atol=1e-5)

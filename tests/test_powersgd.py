@@ -1,0 +1,199 @@
+"""PowerSGD building blocks: Gram-Schmidt, P/Q steps, the linear compressor."""
+
+import functools
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import qcollect as qc
+
+
+@jax.jit
+def _power_step(m, q):
+    p = qc.orthogonalize(qc.powersgd_p(m, q))
+    return p, qc.powersgd_reconstruct(p, qc.powersgd_q(m, p))
+
+
+@given(n=st.sampled_from([1, 3, 8]), m=st.sampled_from([1, 4, 9]), seed=st.integers(0, 2**16))
+def test_full_rank_reconstructs_exactly(n, m, seed):
+    mat = np.random.default_rng(seed).standard_normal((n, m)).astype(np.float32)
+    rank = qc.powersgd_rank((n, m), 64)
+    assert rank == min(n, m)
+    q = qc.powersgd_init(jax.random.key(seed), (n, m), rank)
+    assume(np.linalg.cond(mat) < 1e3 and np.linalg.cond(mat @ np.asarray(q)) < 1e3)
+    _, approx = _power_step(jnp.asarray(mat), q)
+    np.testing.assert_allclose(approx, mat, atol=1e-4)
+
+
+def test_low_rank_matches_numpy_power_iteration():
+    rng = np.random.default_rng(0)
+    mat = rng.standard_normal((20, 30)).astype(np.float32)
+    q = rng.standard_normal((30, 3)).astype(np.float32)
+    p, approx = _power_step(jnp.asarray(mat), jnp.asarray(q))
+    p_ref = np.linalg.qr(mat.astype(np.float64) @ q)[0]
+    np.testing.assert_allclose(np.abs(p.T @ p_ref), np.eye(3), atol=1e-4)  # same span
+    np.testing.assert_allclose(approx, p_ref @ p_ref.T @ mat, atol=1e-4)
+
+
+@given(batch=st.integers(1, 3), n=st.integers(1, 10), data=st.data())
+def test_orthogonalize_matches_qr(batch, n, data):
+    r = data.draw(st.integers(1, n))
+    seed = data.draw(st.integers(0, 2**16))
+    mats = np.random.default_rng(seed).standard_normal((batch, n, r)).astype(np.float32)
+    assume(max(np.linalg.cond(a) for a in mats) < 1e2)
+    out = np.asarray(jax.jit(qc.orthogonalize)(mats))
+    for a, o in zip(mats, out, strict=True):
+        q, rr = np.linalg.qr(a.astype(np.float64))
+        np.testing.assert_allclose(o, q * np.sign(np.diag(rr)), atol=1e-4)
+        np.testing.assert_allclose(o.T @ o, np.eye(r), atol=1e-4)
+
+
+def test_orthogonalize_zero_and_dependent_columns_stay_finite():
+    a = np.random.default_rng(1).standard_normal((6, 1)).astype(np.float32)
+    mat = np.concatenate([a, np.zeros((6, 1)), 2 * a, np.ones((6, 1))], axis=1)
+    out = np.asarray(jax.jit(qc.orthogonalize)(jnp.asarray(mat)))
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out[:, 0], a[:, 0] / np.linalg.norm(a), atol=1e-6)
+    np.testing.assert_array_equal(out[:, 1], 0.0)
+    assert np.linalg.norm(out, axis=0).max() < 1 + 1e-5
+    zeros = jax.jit(qc.orthogonalize)(jnp.zeros((3, 5, 2)))
+    np.testing.assert_array_equal(zeros, 0.0)
+    # epsilon = 0 is PyTorch's default: a zero column is 0 / 0.
+    assert np.isnan(jax.jit(functools.partial(qc.orthogonalize, epsilon=0.0))(
+        jnp.zeros((4, 1)))).all()
+    nan_in = jnp.ones((4, 2)).at[0, 0].set(jnp.nan)
+    assert not np.isfinite(jax.jit(qc.orthogonalize)(nan_in)).any()
+
+
+@pytest.mark.parametrize("num_devices", [1, 3, 8])
+@settings(max_examples=8)
+@given(shape=st.sampled_from([(6, 5), (4, 3, 2), (8, 12), (1, 7)]), rank=st.integers(1, 4),
+       seed=st.integers(0, 2**16))
+def test_two_round_step_commutes_with_summation(num_devices, shape, rank, seed):
+    """Both halves are linear: decode(psum(payload)) == psum(decode(payload))."""
+    rank = qc.powersgd_rank(shape, rank)
+    n, m = qc.powersgd_matrix_shape(shape)
+    q = qc.powersgd_init(jax.random.key(seed), shape, rank)
+    g = np.random.default_rng(seed).standard_normal((num_devices, *shape)).astype(np.float32)
+    mesh = jax.make_mesh((num_devices,), ("d",), devices=jax.devices()[:num_devices])
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("d"), P()),
+                       out_specs=(P(), P(), P(), P()), check_vma=True)
+    def step(gi, q):
+        right = qc.powersgd(q, side="right")
+        pay = right.encode(gi[0])
+        p_sum = jax.tree.map(lambda a: lax.psum(a, "d"), pay)
+        first = (right.decode(p_sum), lax.psum(right.decode(pay), "d"))
+        p = qc.orthogonalize(p_sum["p"])
+        left = qc.powersgd(p, side="left")
+        pay2 = left.encode(gi[0])
+        q_sum = jax.tree.map(lambda a: lax.psum(a, "d"), pay2)
+        return (*first, left.decode(q_sum), lax.psum(left.decode(pay2), "d"))
+
+    dec1, sum1, dec2, sum2 = step(jax.device_put(g, NamedSharding(mesh, P("d"))), q)
+    total = g.sum(0).reshape(n, m).astype(np.float64)
+    qn = np.asarray(q, np.float64)
+    np.testing.assert_allclose(dec1, (total @ qn @ qn.T).reshape(shape), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(sum1, dec1, rtol=1e-4, atol=1e-4)
+    p_ref = np.linalg.qr(total @ qn)[0]
+    assume(np.linalg.cond(total @ qn) < 1e2)
+    np.testing.assert_allclose(dec2, (p_ref @ p_ref.T @ total).reshape(shape), atol=1e-3)
+    np.testing.assert_allclose(sum2, dec2, rtol=1e-4, atol=1e-4)
+
+
+def test_payload_bytes_and_formats():
+    q = qc.powersgd_init(jax.random.key(0), (16, 3, 3, 8), 4)
+    assert q.shape == (72, 4)
+    right = qc.powersgd(q)
+    x = jax.random.normal(jax.random.key(1), (16, 3, 3, 8))
+    payload = jax.jit(right.encode)(x)
+    assert payload["p"].shape == (16, 4) and qc.payload_bytes(payload) == 4 * 16 * 4
+    p = jnp.ones((16, 2))
+    left = qc.powersgd(p, side="left")
+    payload = jax.jit(left.encode)(x)
+    assert payload["q"].shape == (72, 2) and qc.payload_bytes(payload) == 4 * 72 * 2
+    assert jax.jit(left.decode)(payload).shape == x.shape
+    assert right.linear and left.linear and not right.stochastic
+    with pytest.raises(ValueError, match="format"):
+        left.decode(right.encode(x))
+
+
+def test_matrix_helpers_match_pytorch_rules():
+    assert qc.powersgd_matrix_shape(()) == (1, 1)
+    assert qc.powersgd_matrix_shape((7,)) == (7, 1)
+    assert qc.powersgd_matrix_shape((4, 3, 2)) == (4, 6)
+    assert qc.powersgd_matrix(jnp.arange(24.0).reshape(4, 3, 2)).shape == (4, 6)
+    assert qc.powersgd_rank((4, 6), 8) == 4 and qc.powersgd_rank((0, 6), 2) == 1
+    for shape, rank in [((512, 256), 4), ((16, 16), 4), ((64, 3, 3, 3), 2), ((1000,), 1),
+                        ((8, 8), 2), ((9, 9), 2), ((10, 10), 2)]:
+        n, m = qc.powersgd_matrix_shape(shape)
+        r = min(n, m, rank)
+        expected = len(shape) > 1 and (n + m) * r * 2 < n * m
+        assert qc.powersgd_should_compress(shape, rank) == expected, shape
+    assert not qc.powersgd_should_compress((8, 8), 2)  # (8 + 8) * 2 * 2 == 64, not < 64
+    assert qc.powersgd_should_compress((8, 8), 2, min_compression_rate=1.5)
+
+
+def test_bad_configs_name_the_argument():
+    with pytest.raises(ValueError, match="side"):
+        qc.powersgd(jnp.ones((4, 2)), side="up")
+    with pytest.raises(ValueError, match="factor"):
+        qc.powersgd(jnp.ones(4))
+    with pytest.raises(ValueError, match="factor"):
+        qc.powersgd(jnp.ones((4, 0)))
+    with pytest.raises(ValueError, match="factor"):
+        qc.powersgd(jnp.ones((4, 2))).encode(jnp.ones((3, 5)))
+    with pytest.raises(ValueError, match="epsilon"):
+        qc.orthogonalize(jnp.ones((3, 2)), -1.0)
+    with pytest.raises(ValueError, match="rank"):
+        qc.powersgd_rank((4, 4), 0)
+    with pytest.raises(ValueError, match="min_compression_rate"):
+        qc.powersgd_should_compress((4, 4), 1, min_compression_rate=0.0)
+    with pytest.raises(ValueError, match="p must"):
+        qc.orthogonalize(jnp.ones(3))
+    with pytest.raises(TypeError):
+        qc.powersgd(jnp.ones((4, 2))).encode(jnp.ones((3, 4), jnp.int32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_dtypes(dtype):
+    x = jax.random.normal(jax.random.key(2), (6, 4)).astype(dtype)
+    q = qc.powersgd_init(jax.random.key(3), x.shape, 4)  # full rank: lossless
+    c = qc.powersgd(q)
+    payload = jax.jit(c.encode)(x)
+    assert payload["p"].dtype == jnp.float32
+    out = jax.jit(c.decode)(payload)
+    assert out.dtype == dtype and out.shape == x.shape
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(x, np.float32),
+                               atol=2e-2)
+    p = jax.jit(qc.orthogonalize)(x[:, :3])
+    assert p.dtype == dtype
+
+
+def test_vmap_and_batched_blocks():
+    ms = jax.random.normal(jax.random.key(4), (5, 6, 8))
+    qs = jax.vmap(lambda k: qc.powersgd_init(k, (6, 8), 2))(jax.random.split(jax.random.key(5), 5))
+    p_batched, approx = _power_step(ms, qs)  # leading batch axis through matmul and GS
+    p_vmapped, approx_v = jax.jit(jax.vmap(_power_step))(ms, qs)
+    np.testing.assert_allclose(p_batched, p_vmapped, atol=1e-5)
+    np.testing.assert_allclose(approx, approx_v, atol=1e-5)
+    c = qc.powersgd(qs[0])
+    outs = jax.jit(jax.vmap(lambda x: c.decode(c.encode(x))))(ms)
+    for i in range(5):
+        np.testing.assert_allclose(outs[i], c.decode(c.encode(ms[i])), atol=1e-5)
+
+
+def test_non_finite_input_gives_non_finite_output():
+    c = qc.powersgd(qc.powersgd_init(jax.random.key(6), (4, 5), 2))
+    x = jnp.zeros((4, 5)).at[1, 2].set(jnp.inf)
+    assert not np.isfinite(jax.jit(lambda v: c.decode(c.encode(v)))(x)).all()
+    np.testing.assert_array_equal(jax.jit(lambda v: c.decode(c.encode(v)))(jnp.zeros((4, 5))),
+                                  0.0)
