@@ -36,6 +36,7 @@ from qcollect._powersgd import (
 )
 from qcollect._qsgd import QSGD_BUCKET_SIZES, qsgd
 from qcollect._ring import (
+    as_varying,
     ring_all_gather,
     ring_all_reduce,
     ring_bytes_per_device,
@@ -45,6 +46,7 @@ from qcollect._threshold import threshold
 from qcollect._wire import WireOp, wire_bytes, wire_report
 
 __all__ = [
+    "as_varying",
     "ALGORITHMS",
     "AllReduceResult",
     "Compressor",

@@ -17,8 +17,12 @@ of data-parallel PowerSGD on ``N`` workers is::
     Q is kept for the next step       # warm start
 
 Both all-reduces sum payloads that are linear in ``M_i`` for a factor every
-worker shares, so each half is a linear `Compressor` (`powersgd`) that any
-compressed-domain collective can carry:
+worker shares, so each half is a linear `Compressor` (`powersgd`). Encode
+locally and sum the payloads in the compressed domain, e.g. with
+``compressed_all_reduce(payload, axis, identity(), algorithm="ring")`` over the
+payload pytree; `compressed_all_reduce` cannot take `powersgd` itself as its
+compressor, because it cuts the flattened buffer into per-device chunks and a
+chunk has no matrix view:
 
 * ``powersgd(Q, side="right")``: encode ``M -> P = M Q``; decode ``P Q^T``.
   Only the summed payload matters here (it is orthogonalized next).

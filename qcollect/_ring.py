@@ -25,6 +25,7 @@ from jax import lax
 from qcollect._fusion import fuse_by_dtype
 
 __all__ = [
+    "as_varying",
     "ring_all_gather",
     "ring_all_reduce",
     "ring_bytes_per_device",
@@ -68,9 +69,14 @@ def as_varying(x, axis_name):
     initial value must be cast first. Outside shard_map (pmap) it is a no-op.
     """
 
+    def varying_axes(leaf):
+        aval = jax.typeof(leaf)
+        mat = getattr(aval, "mat", None)
+        return getattr(mat, "varying", None) if mat is not None else getattr(aval, "vma", None)
+
     def cast(leaf):
-        vma = getattr(jax.typeof(leaf), "vma", None)
-        if vma is None or axis_name in vma:
+        axes = varying_axes(leaf)
+        if axes is None or axis_name in axes:
             return leaf
         try:
             return lax.pcast(leaf, axis_name, to="varying")

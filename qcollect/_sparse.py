@@ -227,7 +227,9 @@ def compact_largest(keys_fn, size: int, capacity: int):
         return compact_words(jnp.zeros((0,), jnp.uint32), size, capacity)
     words = pack_bits(keys_fn() > 0, 1)
     total = jnp.sum(lax.population_count(words).astype(jnp.int32))
-    k = jnp.full((1,), capacity, jnp.int32)
+    # k takes the type of the data (varying under shard_map), so lax.cond under
+    # vmap has nothing to cast between its branches.
+    k = jnp.full((1,), capacity, jnp.int32) + 0 * total
     words = lax.cond(total > capacity, lambda: pack_bits(top_mask(keys_fn(), k, 0), 1),
                      lambda: words)
     return compact_words(words, size, capacity)

@@ -1,0 +1,300 @@
+"""transforms.gradiveq: phase schedule, PCA fit, compressed ring, wire bytes, NaN policy."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import qcollect as qc
+import transforms
+from tests.helpers import mesh_of
+from transforms._gradiveq import _aggregate_pca, _aggregate_sampled
+
+N = 8
+K = 10
+
+
+def _grad_stepper(tx):
+    """Jitted shard_map step taking per-device gradients: (update, state)."""
+    mesh = mesh_of(N)
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+    def step(grads, state):
+        g, s = transforms.local((grads, state))
+        u, s = tx.update(g, s)
+        return transforms.unlocal((u, s))
+
+    return step, mesh
+
+
+def _first(tree):
+    """Device 0's copy, on the host (PRNG keys are left as they are)."""
+    def one(a):
+        return a if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) else np.asarray(a)[0]
+    return jax.tree.map(one, tree)
+
+
+def _grads(seed):
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    # w: 24 slices of K; v: 9 full slices and a 1-value tail; b: uncompressed.
+    return {"w": jax.random.normal(k1, (N, 24, K)), "v": jax.random.normal(k2, (N, 13, 7)),
+            "b": jax.random.normal(k3, (N, K))}
+
+
+def _slices(x):
+    flat = x.reshape(-1)
+    full = flat.shape[0] // K
+    return flat[:full * K].reshape(full, K), flat[full * K:]
+
+
+def _pca_contribution(x, u, mu):
+    """What one device's PCA payload decodes to: U U^T (g - mu/N) + mu/N per slice.
+
+    The ring cuts the buffer into chunks of whole slices, zero-padded at the
+    end, so a last partial slice is compressed with zeros after it.
+    """
+    flat = x.reshape(-1)
+    padded = np.zeros(-(-flat.size // K) * K, np.float32)
+    padded[:flat.size] = flat
+    rec = (padded.reshape(-1, K) - mu / N) @ u @ u.T + mu / N
+    return rec.reshape(-1)[:flat.size].reshape(x.shape)
+
+
+def test_phases_updates_and_fit_match_reference():
+    warmup, lt, lc, d = 2, 3, 3, 3
+    tx = transforms.gradiveq("d", key=jax.random.key(0), slice_size=K, rank=d,
+                             warmup_steps=warmup, sample_steps=lt, compressed_steps=lc,
+                             sample_slices=2, sample_compressor=None)
+    params = jax.tree.map(lambda a: a[0], _grads(0))
+    step, mesh = _grad_stepper(tx)
+    st = transforms.replicate(tx.init(params), mesh, "d")
+    res = {k: np.zeros((N,) + params[k].shape, np.float32) for k in ("w", "v")}
+    buf = {k: np.zeros((lt, 2 * K), np.float32) for k in ("w", "v")}
+    basis = mean = None
+    for t in range(12):  # second fit at step 10, step 11 uses it
+        g = _grads(t + 1)
+        u, st = jax.block_until_ready(step(jax.device_put(g, NamedSharding(mesh, P("d"))), st))
+        u = jax.tree.map(np.asarray, u)
+        since = t - warmup
+        pos = since % (lt + lc) if since >= 0 else -1
+        compressed = since >= 0 and pos >= lt
+        s0 = _first(st)
+        assert int(s0.count) == t + 1
+        assert int(s0.cycle_start) == (warmup if t < 7 else 8)
+        np.testing.assert_allclose(u["b"][0], np.mean(g["b"], 0), rtol=1e-5, atol=1e-6)
+        for k in ("w", "v"):
+            x = np.asarray(g[k]) + res[k]
+            if compressed:
+                contrib = np.stack([_pca_contribution(x[n], basis[k], mean[k]) for n in range(N)])
+            else:
+                contrib = x
+            expected = contrib.mean(0)
+            for n in range(N):  # every device holds the same update
+                np.testing.assert_allclose(u[k][n], expected, rtol=1e-4, atol=1e-4)
+            res[k] = x - contrib
+            np.testing.assert_allclose(np.asarray(st.residual[k]), res[k], rtol=1e-4, atol=1e-4)
+            if 0 <= pos < lt:  # sampled: slices 0 and num_slices // 2 of the sum
+                rows, _ = _slices(x.sum(0))
+                buf[k][pos] = np.concatenate([rows[0], rows[len(rows) // 2]])
+            np.testing.assert_allclose(s0.samples[k], buf[k], rtol=1e-4, atol=1e-4)
+        if pos == lt - 1:  # fitted at the end of the last sampling step
+            assert bool(np.all(s0.valid))
+            basis, mean = {}, {}
+            for k in ("w", "v"):
+                fit = qc.pca_fit(buf[k], slice_size=K, rank=d, slices="all")
+                basis[k], mean[k] = np.asarray(s0.basis[k]), np.asarray(s0.mean[k])
+                np.testing.assert_allclose(basis[k] @ basis[k].T,
+                                           np.asarray(fit.basis @ fit.basis.T), atol=1e-4)
+                np.testing.assert_allclose(mean[k], fit.mean, rtol=1e-5, atol=1e-5)
+                assert int(s0.rank[k]) == d
+        elif t < warmup + lt - 1:
+            assert int(s0.rank["w"]) == 0 and not np.any(np.asarray(s0.basis["w"]))
+
+
+@pytest.mark.parametrize("stop_loss", [None, 0.05])
+def test_stop_early_on_local_compression_loss(stop_loss):
+    # i.i.d. gradients: a rank-2 basis of 10-value slices loses most of them,
+    # so every device votes to stop after one compressed step.
+    tx = transforms.gradiveq("d", key=jax.random.key(0), slice_size=K, rank=2,
+                             sample_steps=2, compressed_steps=5, sample_compressor=None,
+                             stop_loss=stop_loss)
+    step, mesh = _grad_stepper(tx)
+    st = transforms.replicate(tx.init(jax.tree.map(lambda a: a[0], _grads(0))), mesh, "d")
+    starts = []
+    for t in range(8):
+        g = jax.device_put(_grads(t + 1), NamedSharding(mesh, P("d")))
+        _, st = jax.block_until_ready(step(g, st))
+        starts.append(int(_first(st).cycle_start))
+    if stop_loss is None:
+        assert starts == [0] * 6 + [7, 7]
+    else:  # compressed at step 2, stop; sampling 3-4, compressed at 5, stop
+        assert starts == [0, 0, 3, 3, 3, 6, 6, 6]
+
+
+def test_compressed_branch_wire_bytes_match_rank():
+    r, kk = 4, 64
+    mesh = mesh_of(N)
+    x = jax.device_put(jax.random.normal(jax.random.key(0), (N, 256, kk)),
+                       NamedSharding(mesh, P("d")))
+    basis = jnp.eye(kk)[:, :r]
+    spec = functools.partial(jax.shard_map, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+
+    @jax.jit
+    @spec
+    def compressed(x):
+        sums, _, _ = _aggregate_pca([x[0]], [basis], [jnp.zeros(kk)], "d", jax.random.key(0))
+        return sums[0][None]
+
+    @jax.jit
+    @spec
+    def sampled(x):
+        sums, _, _ = _aggregate_sampled([x[0]], "d", qc.qsgd(bits=4), jax.random.key(0),
+                                        "auto")
+        return sums[0][None]
+
+    @jax.jit
+    @spec
+    def exact(x):
+        return lax.psum(x, "d")
+
+    chunk_slices = 256 // N
+    # ring: N - 1 reduce-scatter hops + N - 1 all-gather hops of one chunk payload
+    # (r float32 coefficients per slice and the 4-byte weight).
+    assert qc.wire_bytes(compressed, x) == 2 * (N - 1) * (4 * chunk_slices * r + 4)
+    chunk = 256 * kk // N   # pairwise QSGD-4: N - 1 shifts + N - 1 all-gather hops
+    assert qc.wire_bytes(sampled, x) == 2 * (N - 1) * (chunk // 2 + 4 * (chunk // 512))
+    ratio = qc.wire_bytes(compressed, x) / qc.wire_bytes(exact, x)
+    assert r / kk <= ratio < 1.01 * r / kk
+
+
+def _ls_problem():
+    """Least squares whose gradients are rank-deficient: W* = A B with rank 3."""
+    k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
+    dim, out, batch = 32, 16, 24
+    w_true = jax.random.normal(k1, (dim, 3)) @ jax.random.normal(k2, (3, out)) / 2
+    x = jax.random.normal(k3, (N, batch, dim))
+    params = {"w": jnp.zeros((dim, out)), "b": jnp.zeros((out,))}
+    return params, x, x @ w_true
+
+
+def _ls_loss(p, x, y):
+    return 0.5 * jnp.mean(jnp.sum((x @ p["w"] + p["b"] - y) ** 2, -1))
+
+
+def _train(tx, steps, nan_at=()):
+    params, x, y = _ls_problem()
+    mesh = mesh_of(N)
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("d"),
+                       out_specs=(P("d"), P("d"), P()))
+    def step(ps, st, x, y, poison):
+        p, s, x, y, poison = transforms.local((ps, st, x, y, poison))
+        loss, g = jax.value_and_grad(_ls_loss)(p, x, y)
+        g = jax.tree.map(lambda a: a + poison, g)
+        u, s = tx.update(g, s, p)
+        return transforms.unlocal((optax.apply_updates(p, u), s)) + (lax.pmean(loss, "d"),)
+
+    sharding = NamedSharding(mesh, P("d"))
+    x, y = jax.device_put((x, y), sharding)
+    ps = transforms.replicate(params, mesh, "d")
+    st = transforms.replicate(tx.init(params), mesh, "d")
+    losses, states = [], []
+    for t in range(steps):
+        poison = np.zeros(N, np.float32)
+        if t in nan_at:
+            poison[3] = np.nan
+        ps, st, loss = jax.block_until_ready(step(ps, st, x, y, jax.device_put(poison, sharding)))
+        losses.append(float(loss))
+        states.append(st)
+    return losses, states
+
+
+def _gq(**kw):
+    settings = dict(key=jax.random.key(0), slice_size=16, loss_threshold=0.02, max_rank=6,
+                    warmup_steps=3, sample_steps=8, compressed_steps=12)
+    settings.update(kw)
+    return transforms.gradiveq("d", **settings)
+
+
+def test_least_squares_converges_close_to_uncompressed():
+    steps = 60
+    exact = optax.GradientTransformation(lambda p: optax.EmptyState(),
+                                         lambda g, s, p=None: (lax.pmean(g, "d"), s))
+    ref, _ = _train(optax.chain(exact, optax.sgd(0.2)), steps)
+    ours, states = _train(optax.chain(_gq(), optax.sgd(0.2)), steps)
+    gq = _first(states[-1][0])
+    rank = int(gq.rank["w"])
+    assert 1 <= rank <= 6
+    assert ref[-1] < 1e-3 * ref[0]
+    # 3 + 8 + 12 + 8 + 12 + 8 + 9: the run ends 9 steps into its third compressed phase.
+    assert ours[-1] < 5 * ref[-1] + 1e-4 * ref[0], (ours[-1], ref[-1])
+    # compressed steps keep descending, not just the sampled ones
+    assert ours[33] < ours[23]
+
+
+def test_nan_step_does_not_poison_state():
+    # sampling step 5 (slot 2) and compressed step 13 get NaN on device 3
+    _, poisoned = _train(optax.chain(_gq(), optax.sgd(0.2)), 15, nan_at=(5, 13))
+    before, after = _first(poisoned[4][0]), _first(poisoned[5][0])
+    assert not bool(after.valid[2]) and bool(after.valid[1])
+    np.testing.assert_array_equal(after.samples["w"], before.samples["w"])
+    np.testing.assert_array_equal(after.residual["w"], before.residual["w"])
+    fitted = _first(poisoned[10][0])   # fit at step 10 skips the invalid slot
+    for leaf in jax.tree.leaves((fitted.samples, fitted.basis, fitted.mean, fitted.residual)):
+        assert np.all(np.isfinite(np.asarray(leaf)))
+    assert 1 <= int(fitted.rank["w"]) <= 6
+    b12, b13 = poisoned[12][0], poisoned[13][0]
+    for a, b in zip(jax.tree.leaves(b12[:6]), jax.tree.leaves(b13[:6]), strict=True):  # not count
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert int(_first(b13).count) == 14
+
+
+def test_chain_with_adam_keeps_state_types():
+    tx = optax.chain(_gq(sample_steps=3, compressed_steps=3, warmup_steps=1), optax.adam(0.05))
+    losses, states = _train(tx, 9)
+    spec = lambda s: jax.tree.map(lambda a: (a.shape, a.dtype), s)  # noqa: E731
+    first = states[0]
+    for st in states[1:]:
+        assert jax.tree.structure(st) == jax.tree.structure(first)
+        assert spec(st) == spec(first)
+    assert losses[-1] < losses[0]
+
+
+def test_pmap_runs_the_same_schedule():
+    tx = _gq(sample_steps=2, compressed_steps=2, warmup_steps=0, sample_compressor=None)
+    g = _grads(0)
+    params = jax.tree.map(lambda a: a[0], g)
+    st = transforms.replicate(tx.init(params), num_devices=N)
+    step = jax.pmap(tx.update, axis_name="d")
+    for _ in range(3):
+        u, st = jax.block_until_ready(step(g, st))
+    assert int(st.count[0]) == 3 and int(st.rank["w"][0]) >= 1
+    assert np.all(np.isfinite(np.asarray(u["w"])))
+
+
+@pytest.mark.parametrize("kw, name", [
+    (dict(rank=2, loss_threshold=0.1), "loss_threshold"),
+    (dict(loss_threshold=0.1), "max_rank"),
+    (dict(loss_threshold=1.0, max_rank=2), "loss_threshold"),
+    (dict(rank=0), "rank"),
+    (dict(rank=2, max_rank=3), "max_rank"),
+    (dict(rank=2, sample_steps=0), "sample_steps"),
+    (dict(rank=2, compressed_steps=0), "compressed_steps"),
+    (dict(rank=2, warmup_steps=-1), "warmup_steps"),
+    (dict(rank=2, slice_size=0), "slice_size"),
+    (dict(rank=2, sample_compressor="qsgd"), "sample_compressor"),
+    (dict(rank=2, stop_loss=0.0), "stop_loss"),
+])
+def test_invalid_settings_name_the_argument(kw, name):
+    settings = dict(key=jax.random.key(0), slice_size=8)
+    settings.update(kw)
+    with pytest.raises(ValueError, match=name):
+        transforms.gradiveq("d", **settings)

@@ -1,0 +1,275 @@
+"""transforms.powersgd: PyTorch powerSGD_hook semantics, error feedback, state, NaN policy."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import qcollect as qc
+import transforms
+from tests.helpers import mesh_of
+
+N = 8
+DIM, OUT, BATCH = 32, 16, 64
+
+
+# ---------------------------------------------------------------- helpers
+
+def _problem(n=N, seed=0):
+    """Per-device least-squares data with a shared true solution."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, BATCH, DIM)).astype(np.float32)
+    w_true = rng.standard_normal((DIM, OUT)).astype(np.float32)
+    y = x @ w_true + 0.01 * rng.standard_normal((n, BATCH, OUT)).astype(np.float32)
+    params = {"w": jnp.zeros((DIM, OUT)), "b": jnp.zeros((OUT,))}
+    return params, x, y
+
+
+def _loss(p, x, y):
+    return jnp.mean(jnp.sum((x @ p["w"] + p["b"] - y) ** 2, axis=-1))
+
+
+def _pmean_tx():
+    return optax.GradientTransformation(lambda p: optax.EmptyState(),
+                                        lambda g, s, p=None: (lax.pmean(g, "d"), s))
+
+
+def _train(tx, steps, n=N, seed=0):
+    """Trains on n devices (jitted shard_map step); returns params, state, losses."""
+    params, x, y = _problem(n, seed)
+    mesh = mesh_of(n)
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("d"),
+                       out_specs=(P("d"), P("d"), P()))
+    def step(params, state, x, y):
+        p, s, x, y = transforms.local((params, state, x, y))
+        loss, g = jax.value_and_grad(_loss)(p, x, y)
+        u, s = tx.update(g, s, p)
+        return (transforms.unlocal(optax.apply_updates(p, u)), transforms.unlocal(s),
+                lax.pmean(loss, "d"))
+
+    x, y = jax.device_put((x, y), NamedSharding(mesh, P("d")))
+    ps = transforms.replicate(params, mesh, "d")
+    st = transforms.replicate(jax.jit(tx.init)(params), mesh, "d")
+    losses = []
+    for _ in range(steps):  # block every step (XLA:CPU collectives)
+        ps, st, loss = jax.block_until_ready(step(ps, st, x, y))
+        losses.append(float(loss))
+    return ps, st, losses
+
+
+def _updater(tx, n=N):
+    """``(grads, state) -> (updates, state)`` on n devices, leading device axis."""
+    mesh = mesh_of(n)
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+    def upd(grads, state):
+        u, s = tx.update(*transforms.local((grads, state)))
+        return transforms.unlocal((u, s))
+
+    def run(grads, state):
+        return jax.block_until_ready(upd(*jax.device_put((grads, state),
+                                                         NamedSharding(mesh, P("d")))))
+
+    return run
+
+
+SHAPES = {"a": (6, 10), "c": (12, 4), "k": (3, 2, 2, 5), "v": (7,)}
+
+
+def _grads(seed, n=N, shapes=SHAPES):
+    rng = np.random.default_rng(seed)
+    return {name: rng.standard_normal((n,) + s).astype(np.float32) for name, s in shapes.items()}
+
+
+def _template(shapes=SHAPES):
+    return {name: jnp.zeros(s) for name, s in shapes.items()}
+
+
+# ---------------------------------------------------------------- tests
+
+def test_before_start_iter_equals_optax_with_pmean():
+    inner = optax.adam(0.05)
+    tx = optax.chain(transforms.powersgd("d", rank=1, key=jax.random.key(0), start_iter=100),
+                     inner)
+    ours, state, l1 = _train(tx, 12)
+    theirs, _, l2 = _train(optax.chain(_pmean_tx(), inner), 12)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(l1, l2, rtol=1e-6)
+    ps_state = state[0]
+    np.testing.assert_array_equal(np.asarray(ps_state.residuals["w"]), 0.0)  # untouched
+    assert int(np.asarray(ps_state.count)[0]) == 12
+
+
+@pytest.mark.parametrize("warm_start", [True, False])
+def test_full_rank_equals_uncompressed_mean(warm_start):
+    tx = transforms.powersgd("d", rank=12, key=jax.random.key(1), start_iter=0,
+                             warm_start=warm_start, min_compression_rate=1e-3)
+    state = transforms.replicate(jax.jit(tx.init)(_template()), num_devices=N)
+    assert all(state.residuals[k].shape[1:] == SHAPES[k] for k in "ack")
+    run = _updater(tx)
+    for t in range(3):
+        grads = _grads(t)
+        updates, state = run(grads, state)
+        for name, g in grads.items():
+            want = np.broadcast_to(np.mean(np.asarray(g), axis=0), g.shape)
+            np.testing.assert_allclose(np.asarray(updates[name]), want, atol=2e-5,
+                                       err_msg=f"{name} step {t}")
+
+
+def test_error_feedback_telescopes():
+    """Steps 0-1 uncompressed, 2-5 rank 1: sum of updates + mean residual == sum of means."""
+    tx = transforms.powersgd("d", rank=1, key=jax.random.key(2), start_iter=2)
+    state = transforms.replicate(jax.jit(tx.init)(_template()), num_devices=N)
+    run = _updater(tx)
+    total_update = jax.tree.map(lambda a: np.zeros(a.shape, np.float64), _template())
+    total_mean = jax.tree.map(lambda a: np.zeros(a.shape, np.float64), _template())
+    for t in range(6):
+        grads = _grads(10 + t)
+        updates, state = run(grads, state)
+        for name in grads:
+            u = np.asarray(updates[name])
+            np.testing.assert_allclose(u, np.broadcast_to(u[0], u.shape), atol=1e-6)
+            total_update[name] += u[0]
+            total_mean[name] += np.mean(np.asarray(grads[name], np.float64), axis=0)
+    for name in "ack":  # the compressed leaves
+        res = np.mean(np.asarray(state.residuals[name], np.float64), axis=0)
+        assert np.abs(res).max() > 0.1  # compression really lost something
+        np.testing.assert_allclose(total_update[name] + res, total_mean[name], atol=1e-4)
+    np.testing.assert_allclose(total_update["v"], total_mean["v"], atol=1e-5)
+
+
+def test_least_squares_converges_like_uncompressed():
+    """Rank-2 PowerSGD of a 32 x 16 weight on 8 devices reaches the uncompressed loss.
+
+    After 120 SGD steps (lr 0.1, 20 uncompressed warm-up steps) the loss is
+    within 10% of the uncompressed run's (measured: 1.49e-3 both, the noise
+    floor) and 100x below the start (519.7).
+    """
+    tx = optax.chain(transforms.powersgd("d", rank=2, key=jax.random.key(3), start_iter=20),
+                     optax.sgd(0.1))
+    _, state, losses = _train(tx, 120)
+    _, _, ref = _train(optax.chain(_pmean_tx(), optax.sgd(0.1)), 120)
+    assert state[0].q["w"].shape == (N, OUT, 2)
+    assert losses[-1] < 1.1 * ref[-1], (losses[-1], ref[-1])
+    assert losses[-1] < 0.01 * losses[0]
+
+
+def test_state_structure_shapes_and_dtypes_unchanged():
+    shapes = dict(SHAPES, h=(8, 9))
+    tx = transforms.powersgd("d", rank=2, key=jax.random.key(4), start_iter=1)
+    template = dict(_template(shapes), h=jnp.zeros((8, 9), jnp.bfloat16))
+    state0 = transforms.replicate(jax.jit(tx.init)(template), num_devices=N)
+    run = _updater(tx)
+    grads = _grads(5, shapes=shapes)
+    grads["h"] = jnp.asarray(grads["h"], jnp.bfloat16)
+    state = state0
+    for _ in range(2):  # one uncompressed step, one compressed
+        updates, state = run(grads, state)
+        assert jax.tree.structure(state) == jax.tree.structure(state0)
+        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(state0), strict=True):
+            assert a.shape == b.shape and a.dtype == b.dtype
+        assert updates["h"].dtype == jnp.bfloat16
+    # Only h pays at rank 2: (8 + 9) * 2 * 2 < 72; a, c, k and v stay uncompressed.
+    assert state0.q["h"].shape == (N, 9, 2) and state0.q["a"].shape == (N, 0)
+    assert state0.residuals["h"].shape == (N, 8, 9)
+    assert state0.residuals["h"].dtype == jnp.float32
+
+
+def test_nan_step_keeps_q_and_residuals():
+    tx = transforms.powersgd("d", rank=1, key=jax.random.key(5), start_iter=1)
+    state = transforms.replicate(jax.jit(tx.init)(_template()), num_devices=N)
+    run = _updater(tx)
+    for t in range(2):
+        _, state = run(_grads(20 + t), state)
+    before = state
+    bad = _grads(30)
+    bad["a"][3, 1, 2] = np.nan
+    updates, state = run(bad, state)
+    assert not np.isfinite(np.asarray(updates["a"])).all()
+    for name in "ack":
+        np.testing.assert_array_equal(np.asarray(state.residuals[name]),
+                                      np.asarray(before.residuals[name]))
+        np.testing.assert_array_equal(np.asarray(state.q[name]), np.asarray(before.q[name]))
+    assert int(np.asarray(state.count)[0]) == 3
+    updates, state = run(_grads(31), state)
+    assert all(np.isfinite(np.asarray(u)).all() for u in jax.tree.leaves(updates))
+    assert all(np.isfinite(np.asarray(s)).all() for s in jax.tree.leaves(state.q))
+
+
+def test_wire_bytes_versus_uncompressed():
+    """Bytes per device per step on 8 devices, measured from the compiled HLO."""
+    shapes = {"w1": (256, 128), "w2": (128, 64), "b": (64,)}
+    rank = 4
+    mesh = mesh_of(N)
+
+    def stepper(tx):
+        @jax.jit
+        @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+        def step(grads, state):
+            u, s = tx.update(*transforms.local((grads, state)))
+            return transforms.unlocal((u, s))
+        return step
+
+    template = _template(shapes)
+    grads = jax.device_put(_grads(40, shapes=shapes), NamedSharding(mesh, P("d")))
+    tx = transforms.powersgd("d", rank=rank, key=jax.random.key(6), start_iter=0)
+    state = transforms.replicate(jax.jit(tx.init)(template), mesh, "d")
+    ours = qc.wire_bytes(stepper(tx), grads, state)
+    plain = _pmean_tx()
+    base = qc.wire_bytes(stepper(plain), grads, transforms.replicate(jax.jit(plain.init)(template),
+                                                                      mesh, "d"))
+    # Two fused float32 rings (P: sum n r values, Q: sum m r values), each
+    # 2 (N - 1) shifts of a ceil(K / N) chunk, plus the bias all-reduce.
+    ring = lambda k: 2 * (N - 1) * -(-k // N) * 4  # noqa: E731
+    expected = ring((256 + 128) * rank) + ring((128 + 64) * rank) + 2 * (N - 1) / N * 64 * 4
+    assert base == pytest.approx(2 * (N - 1) / N * 4 * (256 * 128 + 128 * 64 + 64))
+    assert ours == pytest.approx(expected)
+    print(f"powersgd rank {rank}: {ours:.0f} B/device/step; pmean {base:.0f}; "
+          f"ratio {ours / base:.4f}")
+    assert ours / base < 0.06
+
+
+def test_pmap_matches_shard_map():
+    n = 4
+    tx = optax.chain(transforms.powersgd("i", rank=2, key=jax.random.key(7), start_iter=3),
+                     optax.sgd(0.1))
+    params, x, y = _problem(n, seed=1)
+
+    @functools.partial(jax.pmap, axis_name="i", devices=jax.devices()[:n])
+    def step(p, s, x, y):
+        g = jax.grad(_loss)(p, x, y)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, lax.pmean(_loss(p, x, y), "i")
+
+    ps = transforms.replicate(params, num_devices=n)
+    st = transforms.replicate(jax.jit(tx.init)(params), num_devices=n)
+    losses = []
+    for _ in range(15):
+        ps, st, loss = jax.block_until_ready(step(ps, st, x, y))
+        losses.append(float(loss[0]))
+    assert losses[-1] < 0.2 * losses[0]
+    np.testing.assert_array_equal(np.asarray(ps["w"][0]), np.asarray(ps["w"][3]))
+    tx_sm = optax.chain(transforms.powersgd("d", rank=2, key=jax.random.key(7), start_iter=3),
+                        optax.sgd(0.1))
+    ref, _, ref_losses = _train(tx_sm, 15, n=n, seed=1)
+    np.testing.assert_allclose(np.asarray(ps["w"]), np.asarray(ref["w"]), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kwargs", [dict(rank=0), dict(rank=2.0), dict(rank=1, start_iter=-1),
+                                    dict(rank=1, min_compression_rate=0)])
+def test_invalid_settings_raise(kwargs):
+    name = "rank" if "start_iter" not in kwargs and "min_compression_rate" not in kwargs else \
+        next(k for k in kwargs if k != "rank")
+    with pytest.raises(ValueError, match=name):
+        transforms.powersgd("d", key=jax.random.key(0), **kwargs)

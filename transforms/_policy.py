@@ -1,0 +1,47 @@
+"""Which leaves are compressed, and with which compressor.
+
+Grubic et al. (section 3.2.2) send small matrices in full precision, choosing
+the threshold so that more than 99% of the parameters are still quantized.
+`leaf_compressors` applies that rule (``min_size``), an optional predicate
+``compress_if(path, leaf)``, and per-leaf compressor choice (``compressor`` may
+be a function of the path and leaf).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+import qcollect as qc
+
+CompressorSpec = qc.Compressor | Callable[..., qc.Compressor | None]
+
+
+def leaf_compressors(tree, compressor: CompressorSpec, *, min_size: int = 0,
+                     compress_if: Callable | None = None) -> list:
+    """One entry per leaf of ``tree`` (in flatten order): a Compressor or None.
+
+    None means the leaf is reduced uncompressed (``lax.psum``).
+    """
+    out = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        size = int(np.prod(np.shape(leaf)))
+        if size < min_size or (compress_if is not None and not compress_if(path, leaf)):
+            out.append(None)
+            continue
+        chosen = compressor if isinstance(compressor, qc.Compressor) else compressor(path, leaf)
+        if chosen is not None and not isinstance(chosen, qc.Compressor):
+            raise ValueError(f"compressor(path, leaf) must return a qcollect Compressor or "
+                             f"None, got {type(chosen).__name__} for {jax.tree_util.keystr(path)}")
+        out.append(chosen)
+    return out
+
+
+def compressed_fraction(tree, compressors: list) -> float:
+    """Fraction of the values of ``tree`` that go through a compressor."""
+    sizes = [int(np.prod(np.shape(leaf))) for leaf in jax.tree.leaves(tree)]
+    total = sum(sizes)
+    kept = sum(s for s, c in zip(sizes, compressors, strict=True) if c is not None)
+    return kept / total if total else 0.0
