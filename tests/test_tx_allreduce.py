@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
 import transforms
-from tests.helpers import mesh_of
+from tests.helpers import mesh_of, pmap_train
 
 N = 8
 DIM, OUT, BATCH = 12, 3, 32
@@ -263,19 +263,6 @@ def test_pmap_path():
                                                      key=jax.random.key(7)), optax.sgd(0.05))
     params, x, y = _problem(3)
     n = 4
-    x, y = x[:n], y[:n]
-
-    @functools.partial(jax.pmap, axis_name="i", devices=jax.devices()[:n])
-    def step(p, s, x, y):
-        g = jax.grad(_loss)(p, x, y)
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s, lax.pmean(_loss(p, x, y), "i")
-
-    ps = transforms.replicate(params, num_devices=n)
-    st = transforms.replicate(tx.init(params), num_devices=n)
-    losses = []
-    for _ in range(60):
-        ps, st, loss = jax.block_until_ready(step(ps, st, x, y))
-        losses.append(float(loss[0]))
+    ps, _, losses = pmap_train(tx, _loss, params, x[:n], y[:n], 60, n)
     assert losses[-1] < 0.1 * losses[0]
     np.testing.assert_array_equal(np.asarray(ps["w"][0]), np.asarray(ps["w"][3]))

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
 import transforms
-from tests.helpers import mesh_of
+from tests.helpers import mesh_of, pmap_train
 
 N = 8
 DIM, OUT, BATCH = 32, 16, 64
@@ -244,19 +244,7 @@ def test_pmap_matches_shard_map():
     tx = optax.chain(transforms.powersgd("i", rank=2, key=jax.random.key(7), start_iter=3),
                      optax.sgd(0.1))
     params, x, y = _problem(n, seed=1)
-
-    @functools.partial(jax.pmap, axis_name="i", devices=jax.devices()[:n])
-    def step(p, s, x, y):
-        g = jax.grad(_loss)(p, x, y)
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s, lax.pmean(_loss(p, x, y), "i")
-
-    ps = transforms.replicate(params, num_devices=n)
-    st = transforms.replicate(jax.jit(tx.init)(params), num_devices=n)
-    losses = []
-    for _ in range(15):
-        ps, st, loss = jax.block_until_ready(step(ps, st, x, y))
-        losses.append(float(loss[0]))
+    ps, st, losses = pmap_train(tx, _loss, params, x, y, 15, n)
     assert losses[-1] < 0.2 * losses[0]
     np.testing.assert_array_equal(np.asarray(ps["w"][0]), np.asarray(ps["w"][3]))
     tx_sm = optax.chain(transforms.powersgd("d", rank=2, key=jax.random.key(7), start_iter=3),

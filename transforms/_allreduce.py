@@ -79,7 +79,9 @@ def compressed_allreduce(compressor: CompressorSpec, axis_name, *, key: jax.Arra
 
     Args:
       compressor: a qcollect `Compressor`, or ``f(path, leaf) -> Compressor |
-        None`` to choose per leaf (None: uncompressed).
+        None`` to choose per leaf (None: uncompressed). Leaves are fused per
+        compressor object, so such a function should return the same object
+        (built once, outside it) for leaves that should ride together.
       axis_name: the data-parallel axis (``shard_map`` or ``pmap``).
       key: PRNG key for stochastic compressors (the same on every device).
       mean: average over devices (default) rather than sum.
