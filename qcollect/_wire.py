@@ -19,7 +19,9 @@ bandwidth-optimal algorithms (Gibiansky, "Bringing HPC Techniques to Deep
 Learning"), so an XLA all-reduce and qcollect's ring all-reduce of the same
 buffer count the same. Collectives inside a while loop count once per
 iteration (XLA's ``known_trip_count``; a loop without one raises ValueError);
-of a conditional's branches the largest counts, since one runs per call.
+of a conditional's branches the largest counts, since one runs per call
+(``branches="min"``: the smallest, e.g. the steady compressed phase of a
+transformation that switches phases with ``lax.cond``).
 """
 
 from __future__ import annotations
@@ -136,13 +138,22 @@ def _parse(hlo: str):
     return comps, shapes, entry, default_group
 
 
-def wire_report(fn, *args, **kwargs) -> list[WireOp]:
-    """The collectives of ``jax.jit(fn)(*args)`` with their bytes per device."""
-    hlo = jax.jit(fn).lower(*args, **kwargs).compile().as_text()
-    return report_from_hlo(hlo)
+def wire_report(fn, *args, branches: str = "max", **kwargs) -> list[WireOp]:
+    """The collectives of ``jax.jit(fn)(*args)`` with their bytes per device.
+
+    ``branches``: ``"max"`` or ``"min"``, which branch of each conditional
+    is reported (see `wire_bytes`).
+    """
+    if branches not in ("max", "min"):
+        raise ValueError(f"branches must be 'max' or 'min', got {branches!r}")
+    # A jitted fn compiles through its own cache (no second compile after a call).
+    lower = fn.lower if isinstance(fn, jax.stages.Wrapped) else jax.jit(fn).lower
+    hlo = lower(*args, **kwargs).compile().as_text()
+    return report_from_hlo(hlo, branches)
 
 
-def report_from_hlo(hlo: str) -> list[WireOp]:
+def report_from_hlo(hlo: str, branches: str = "max") -> list[WireOp]:
+    pick = max if branches == "max" else min
     comps, shapes, entry, default_group = _parse(hlo)
     ops: list[WireOp] = []
 
@@ -182,7 +193,7 @@ def report_from_hlo(hlo: str) -> list[WireOp]:
                                   ops[before:]))
                     del ops[before:]
                 if costs:
-                    ops.extend(max(costs, key=lambda c: c[0])[1])
+                    ops.extend(pick(costs, key=lambda c: c[0])[1])
             elif not opname.endswith("-done"):
                 for callee in re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", line):
                     visit(callee, multiplicity, seen + (comp,))
@@ -191,12 +202,14 @@ def report_from_hlo(hlo: str) -> list[WireOp]:
     return ops
 
 
-def wire_bytes(fn, *args, **kwargs) -> int:
+def wire_bytes(fn, *args, branches: str = "max", **kwargs) -> int:
     """Bytes each device sends in the collectives of the compiled ``fn(*args)``.
 
     Measured from the optimised HLO of ``jax.jit(fn)`` (see the module
     docstring for how each collective counts). ``fn`` is typically a
-    `jax.shard_map` or `jax.pmap` function.
+    `jax.shard_map` or `jax.pmap` function. ``branches``: which branch of a
+    conditional counts, ``"max"`` (default, the most a call can send) or
+    ``"min"`` (the least).
 
     Example:
       >>> import jax, jax.numpy as jnp, qcollect as qc
@@ -208,7 +221,7 @@ def wire_bytes(fn, *args, **kwargs) -> int:
       7168
     """
     return int(round(sum(op.bytes_per_call * op.multiplicity
-                         for op in wire_report(fn, *args, **kwargs))))
+                         for op in wire_report(fn, *args, branches=branches, **kwargs))))
 
 
 

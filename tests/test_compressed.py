@@ -121,6 +121,18 @@ def test_pca_ring_equals_decoded_psum_of_encodings(n):
     np.testing.assert_allclose(out[:, :length - k], want[:, :length - k], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("algorithm", ["pairwise", "ring_requantize"])
+def test_pca_requantizing_algorithms_exact_in_span(algorithm):
+    n, k, d = 4, 16, 4
+    basis, _ = jnp.linalg.qr(jax.random.normal(jax.random.key(7), (k, d)))
+    c = qc.pca(basis, jnp.zeros(k), num_workers=n)  # a mean: the payload carries a weight
+    coeffs = jax.random.normal(jax.random.key(11), (n, 6 * n, d))
+    x = (coeffs @ basis.T).reshape(n, -1)  # every slice in the span of the basis
+    out = np.asarray(_reduce(n, c, algorithm)(x, _keys(n)).value)
+    np.testing.assert_allclose(out, np.broadcast_to(np.asarray(x).sum(0), out.shape),
+                               rtol=1e-4, atol=1e-4)
+
+
 def test_ring_requantize_error_grows_with_devices():
     c, errs = qc.qsgd(bits=4), {}
     for n in (2, 8):

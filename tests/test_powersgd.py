@@ -109,37 +109,99 @@ def test_two_round_step_commutes_with_summation(num_devices, shape, rank, seed):
     np.testing.assert_allclose(sum2, dec2, rtol=1e-4, atol=1e-4)
 
 
-def test_payload_bytes_and_formats():
-    q = qc.powersgd_init(jax.random.key(0), (16, 3, 3, 8), 4)
-    assert q.shape == (72, 4)
-    right = qc.powersgd(q)
+@pytest.mark.parametrize("view, n, m", [("last", 144, 8), ("first", 16, 72)])
+def test_payload_bytes_and_formats(view, n, m):
+    q = qc.powersgd_init(jax.random.key(0), (16, 3, 3, 8), 4, view=view)
+    assert q.shape == (m, 4)
+    right = qc.powersgd(q, view=view)
     x = jax.random.normal(jax.random.key(1), (16, 3, 3, 8))
     payload = jax.jit(right.encode)(x)
-    assert payload["p"].shape == (16, 4) and qc.payload_bytes(payload) == 4 * 16 * 4
-    p = jnp.ones((16, 2))
-    left = qc.powersgd(p, side="left")
+    assert payload["p"].shape == (n, 4) and qc.payload_bytes(payload) == 4 * n * 4
+    p = jnp.ones((n, 2))
+    left = qc.powersgd(p, side="left", view=view)
     payload = jax.jit(left.encode)(x)
-    assert payload["q"].shape == (72, 2) and qc.payload_bytes(payload) == 4 * 72 * 2
+    assert payload["q"].shape == (m, 2) and qc.payload_bytes(payload) == 4 * m * 2
     assert jax.jit(left.decode)(payload).shape == x.shape
     assert right.linear and left.linear and not right.stochastic
     with pytest.raises(ValueError, match="format"):
         left.decode(right.encode(x))
+    other = "first" if view == "last" else "last"
+    square = jnp.ones((4, 4))  # the same (4, 4) matrix in both views
+    with pytest.raises(ValueError, match="format"):  # a payload of the other view
+        qc.powersgd(q[:4], view=other).decode(qc.powersgd(q[:4], view=view).encode(square))
 
 
-def test_matrix_helpers_match_pytorch_rules():
-    assert qc.powersgd_matrix_shape(()) == (1, 1)
-    assert qc.powersgd_matrix_shape((7,)) == (7, 1)
-    assert qc.powersgd_matrix_shape((4, 3, 2)) == (4, 6)
-    assert qc.powersgd_matrix(jnp.arange(24.0).reshape(4, 3, 2)).shape == (4, 6)
-    assert qc.powersgd_rank((4, 6), 8) == 4 and qc.powersgd_rank((0, 6), 2) == 1
-    for shape, rank in [((512, 256), 4), ((16, 16), 4), ((64, 3, 3, 3), 2), ((1000,), 1),
-                        ((8, 8), 2), ((9, 9), 2), ((10, 10), 2)]:
-        n, m = qc.powersgd_matrix_shape(shape)
+@pytest.mark.parametrize("view", ["last", "first"])
+def test_full_rank_round_trip_of_a_4d_kernel_is_exact(view):
+    """Both halves at full rank reproduce a conv kernel, whichever way it is viewed."""
+    shape = (3, 3, 4, 5)  # (36, 5) channels-last, (3, 60) channels-first
+    x = jax.random.normal(jax.random.key(7), shape)
+    q = qc.powersgd_init(jax.random.key(8), shape, 64, view=view)
+    n, m = qc.powersgd_matrix_shape(shape, view=view)
+    assert q.shape == (m, min(n, m))
+
+    @jax.jit
+    def round_trip(x, q):
+        pay = qc.powersgd(q, view=view).encode(x)
+        left = qc.powersgd(qc.orthogonalize(pay["p"]), side="left", view=view)
+        pay2 = left.encode(x)
+        return pay["p"], pay2["q"], left.decode(pay2)
+
+    p, q2, out = round_trip(x, q)
+    assert p.shape == (n, min(n, m)) and q2.shape == (m, min(n, m))
+    assert out.shape == shape and out.dtype == x.dtype
+    np.testing.assert_allclose(out, x, atol=1e-4)
+
+
+def test_matrix_views():
+    for view in ("last", "first"):
+        assert qc.powersgd_matrix_shape((), view=view) == (1, 1)
+        assert qc.powersgd_matrix_shape((7,), view=view) == (7, 1)
+        assert qc.powersgd_matrix_shape((5, 3), view=view) == (5, 3)
+    assert qc.powersgd_matrix_shape((4, 3, 2)) == (12, 2)  # channels-last by default
+    assert qc.powersgd_matrix_shape((4, 3, 2), view="first") == (4, 6)
+    assert qc.powersgd_matrix_shape((3, 3, 32, 64)) == (288, 64)
+    assert qc.powersgd_matrix_shape((3, 3, 32, 64), view="first") == (3, 6144)
+    x = jnp.arange(24.0).reshape(4, 3, 2)
+    np.testing.assert_array_equal(qc.powersgd_matrix(x), np.reshape(np.asarray(x), (12, 2)))
+    np.testing.assert_array_equal(qc.powersgd_matrix(x, view="first"),
+                                  np.reshape(np.asarray(x), (4, 6)))
+    # A Flax conv kernel (kh, kw, in, out) viewed channels-last is the transpose
+    # of PyTorch's view of the same layer's (out, in, kh, kw) weight, up to row order.
+    k = np.random.default_rng(0).standard_normal((3, 3, 4, 6)).astype(np.float32)
+    flax_m = np.asarray(qc.powersgd_matrix(k))
+    torch_m = np.asarray(qc.powersgd_matrix(k.transpose(3, 2, 0, 1), view="first"))
+    np.testing.assert_array_equal(flax_m.reshape(3, 3, 4, 6).transpose(2, 0, 1, 3)
+                                  .reshape(36, 6), torch_m.T)
+    np.testing.assert_allclose(np.linalg.svd(flax_m, compute_uv=False),
+                               np.linalg.svd(torch_m, compute_uv=False), rtol=1e-5)
+
+
+@pytest.mark.parametrize("view", ["last", "first"])
+def test_matrix_helpers_match_pytorch_rules(view):
+    assert qc.powersgd_rank((4, 6), 8, view=view) == 4
+    assert qc.powersgd_rank((0, 6), 2, view=view) == 1
+    for shape, rank in [((512, 256), 4), ((16, 16), 4), ((64, 3, 3, 3), 2), ((3, 3, 3, 64), 2),
+                        ((1000,), 1), ((8, 8), 2), ((9, 9), 2), ((10, 10), 2)]:
+        n, m = qc.powersgd_matrix_shape(shape, view=view)
         r = min(n, m, rank)
+        assert qc.powersgd_rank(shape, rank, view=view) == r
         expected = len(shape) > 1 and (n + m) * r * 2 < n * m
-        assert qc.powersgd_should_compress(shape, rank) == expected, shape
-    assert not qc.powersgd_should_compress((8, 8), 2)  # (8 + 8) * 2 * 2 == 64, not < 64
-    assert qc.powersgd_should_compress((8, 8), 2, min_compression_rate=1.5)
+        assert qc.powersgd_should_compress(shape, rank, view=view) == expected, shape
+    assert not qc.powersgd_should_compress((8, 8), 2, view=view)  # (8 + 8) * 2 * 2 == 64
+    assert qc.powersgd_should_compress((8, 8), 2, min_compression_rate=1.5, view=view)
+
+
+def test_should_compress_depends_on_the_view():
+    # Flax conv kernel: (288, 64) channels-last pays at rank 4, (3, 6144) never does.
+    assert qc.powersgd_should_compress((3, 3, 32, 64), 4)
+    assert qc.powersgd_should_compress((3, 3, 32, 64), 4, view="last")
+    assert not qc.powersgd_should_compress((3, 3, 32, 64), 4, view="first")
+    # The same layer in PyTorch's layout is the other way round.
+    assert qc.powersgd_should_compress((64, 32, 3, 3), 4, view="first")
+    assert not qc.powersgd_should_compress((64, 32, 3, 3), 4, view="last")
+    assert qc.powersgd_init(jax.random.key(0), (3, 3, 32, 64), 4).shape == (64, 4)
+    assert qc.powersgd_init(jax.random.key(0), (3, 3, 32, 64), 4, view="first").shape == (6144, 3)
 
 
 def test_bad_configs_name_the_argument():
@@ -159,6 +221,21 @@ def test_bad_configs_name_the_argument():
         qc.powersgd_should_compress((4, 4), 1, min_compression_rate=0.0)
     with pytest.raises(ValueError, match="p must"):
         qc.orthogonalize(jnp.ones(3))
+    for bad in ("rows", "cols", None, "LAST"):
+        with pytest.raises(ValueError, match=r"view must be one of \('last', 'first'\)"):
+            qc.powersgd_matrix_shape((4, 4), view=bad)
+        with pytest.raises(ValueError, match="view"):
+            qc.powersgd_matrix(jnp.ones((4, 4)), view=bad)
+        with pytest.raises(ValueError, match="view"):
+            qc.powersgd_rank((4, 4), 2, view=bad)
+        with pytest.raises(ValueError, match="view"):
+            qc.powersgd_should_compress((4, 4), 2, view=bad)
+        with pytest.raises(ValueError, match="view"):
+            qc.powersgd_should_compress((4,), 2, view=bad)
+        with pytest.raises(ValueError, match="view"):
+            qc.powersgd_init(jax.random.key(0), (4, 4), 2, view=bad)
+        with pytest.raises(ValueError, match="view"):
+            qc.powersgd(jnp.ones((4, 2)), view=bad)
     with pytest.raises(TypeError):
         qc.powersgd(jnp.ones((4, 2))).encode(jnp.ones((3, 4), jnp.int32))
 

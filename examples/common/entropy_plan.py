@@ -1,0 +1,119 @@
+"""Host-side plans for the entropy quantizer during training.
+
+Oland & Raj's bit-width ``N = H + c`` and Huffman stream length depend on the
+data, but a compiled step has static shapes. Unplanned payloads are sized for
+the worst case (``ceiling`` bits per value), which sends ~10 bits per value
+whatever Huffman achieves. So, as the design asks, the sizes are planned on
+the host between steps and one compiled step is cached per plan:
+
+1. every ``entropy_replan_every`` steps, one jitted program computes, for every
+   compressed leaf, what `qcollect.EntropyCompressor.plan` asks for on each
+   of the ``N`` chunks `qcollect.compressed_all_reduce` will encode: this
+   device's ``gradient + residual`` (the pairwise reduce-scatter) and the sum
+   over devices (the owner's re-encoding), then the maximum over devices;
+2. the stream length gets a margin (x1.08, rounded up on a grid of 2^(1/16)
+   steps so that small drifts reuse a compiled step) and the bit-width is the
+   largest asked for;
+3. a plan too small for some chunk makes that step's update non-finite
+   (the payload's range is NaN, never a silently wrong value): the step is
+   then discarded and rerun with twice the margin, which then shrinks back
+   by x1.25 per plan.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import qcollect as qc
+import transforms
+from common.compressors import entropy_transform
+
+MARGIN = 1.08
+GROWTH = 1.25
+MAX_RETRIES = 4
+
+
+def _chunks(flat, n: int):
+    length = -(-flat.shape[0] // n)
+    return jnp.pad(flat, (0, n * length - flat.shape[0])).reshape(n, length)
+
+
+def _round_up(words: int, margin: float) -> int:
+    if words <= 0:
+        return 0
+    return int(math.ceil(2 ** (math.ceil(16 * math.log2(words * margin)) / 16)))
+
+
+class Planner:
+    """Plans, compiles and caches the entropy training step of one run."""
+
+    def __init__(self, dp, compressor: qc.EntropyCompressor, cfg, axis_name, key,
+                 optimizer: optax.GradientTransformation):
+        self.dp, self.c, self.cfg, self.axis, self.key = dp, compressor, cfg, axis_name, key
+        self.optimizer = optimizer
+        self.margin = MARGIN
+        self.plans = None
+        self._steps: dict = {}
+        self._measure = dp.shard_map(self._needed, P())
+
+    def _needed(self, params, opt_state, x, y):
+        """Per compressed leaf: (bits, words) asked for, maximum over chunks and devices."""
+        p, s = transforms.local(params), transforms.local(opt_state)
+        _, grads = self.dp.grads(p, x, y)
+        residuals = s[0].residual
+        n = self.dp.num_devices
+        chosen = transforms.leaf_compressors(grads, self.c, min_size=self.cfg.min_size)
+        out = {}
+        flat_grads = jax.tree_util.tree_leaves_with_path(grads)
+        for (path, g), r, c in zip(flat_grads, jax.tree.leaves(residuals), chosen, strict=True):
+            if c is None:
+                continue
+            v = g.astype(jnp.float32).reshape(-1)
+            if r.size:
+                v = v + r.reshape(-1)
+            mine, total = _chunks(v, n), _chunks(lax.psum(v, self.axis), n)
+            keys = jax.random.split(self.key, n)
+            asked = [jax.vmap(self.c.plan)(chunks, keys) for chunks in (mine, total)]
+            bits = jnp.max(jnp.stack([a.bits for a in asked]))
+            words = jnp.max(jnp.stack([a.words for a in asked]))
+            out[jax.tree_util.keystr(path)] = (lax.pmax(bits, self.axis),
+                                               lax.pmax(words, self.axis))
+        return out
+
+    @property
+    def compiles(self) -> int:
+        return len(self._steps)
+
+    def _compiled(self, plans):
+        key = tuple(sorted(plans.items()))
+        if key not in self._steps:
+            tx = optax.chain(entropy_transform(self.c, plans, self.cfg, self.axis, self.key),
+                             self.optimizer)
+            self._steps[key] = self.dp.step(tx)
+        return self._steps[key]
+
+    def step(self, params, opt_state, x, y):
+        """Measures the sizes this batch needs; the compiled step for them."""
+        needed = jax.device_get(self._measure(params, opt_state, x, y))
+        plans = {path: qc.EntropyPlan(int(bits), _round_up(int(words), self.margin))
+                 for path, (bits, words) in needed.items()}
+        self.margin = max(MARGIN, self.margin / GROWTH)  # back to MARGIN after overflows
+        self.plans = plans
+        return self._compiled(plans)
+
+    def retry(self, params, opt_state, x, y):
+        """After an overflow: grow the margin and rerun the step; (step, outputs)."""
+        for _ in range(MAX_RETRIES):
+            self.margin *= 2
+            step = self.step(params, opt_state, x, y)
+            out = jax.block_until_ready(step(params, opt_state, x, y))
+            if bool(jax.device_get(out[3]).all()):
+                return step, out
+        raise FloatingPointError("the entropy step stays non-finite with larger plans: "
+                                 "the gradients themselves are not finite")

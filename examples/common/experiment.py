@@ -1,0 +1,61 @@
+"""One experiment: every requested compressor trained from the same start,
+then the table (printed), the JSON record and the accuracy plot."""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import optax
+
+import qcollect as qc
+from common import report
+from common.compressors import pmean
+from common.mnist import load_mnist
+from common.train import AXIS, DataParallel, make_optimizer, train, with_image_shape
+
+
+def baseline_wire_bytes(dp: DataParallel, cfg, data) -> int:
+    """Wire bytes per step of the ``lax.pmean`` baseline (compiled, not run)."""
+    tx = optax.chain(pmean(AXIS), make_optimizer(cfg))
+    params = dp.replicate(dp.params)
+    state = dp.replicate(jax.jit(tx.init)(dp.params))
+    rows = cfg.batch_size * dp.num_devices
+    return qc.wire_bytes(dp.step(tx), params, state,
+                         *dp.batch(data.x_train[:rows], data.y_train[:rows]))
+
+
+def progress_bar(total: int, desc: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=f"{desc:>9}", unit="step", leave=True, file=sys.stderr,
+                dynamic_ncols=True)
+
+
+def run(cfg, build_model, image_shape, stem: str, title: str, data=None):
+    """Trains ``build_model(cfg)`` with each of ``cfg.compressor_names``.
+
+    Returns the list of `RunResult`. Process 0 prints the table and writes
+    ``{output_dir}/{stem}.{md,json,png}``.
+    """
+    if data is None:
+        data = load_mnist(cfg.data_dir or None)
+    data = data.take(cfg.train_examples or None, cfg.test_examples or None)
+    data = with_image_shape(data, image_shape)
+    dp = DataParallel(build_model(cfg))
+    lead = jax.process_index() == 0
+    if lead:
+        params = sum(x.size for x in jax.tree.leaves(dp.params))
+        print(f"{title}: {params:,} parameters, {dp.num_devices} devices "
+              f"({jax.devices()[0].platform}), {len(data.x_train):,} training images "
+              f"({data.source}), global batch {cfg.batch_size * dp.num_devices}", flush=True)
+    bar = progress_bar if cfg.progress and lead else None
+    results = [train(dp, name, cfg, data, progress=bar) for name in cfg.compressor_names]
+    base = next((r.wire_bytes for r in results if r.name == report.BASELINE), None)
+    if base is None:
+        base = baseline_wire_bytes(dp, cfg, data)
+    if lead:
+        files = report.save(results, base, cfg, cfg.output_dir, stem, title)
+        print(report.table(results, base))
+        print(f"wrote {files['table']}, {files['json']} and {files['plot']}")
+    return results

@@ -1,0 +1,66 @@
+"""Results of the example runs: the table, the plot, and a JSON record."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+BASELINE = "none"
+
+
+def ratio(result, baseline_bytes: int | None) -> float:
+    """Compression on the wire: baseline bytes / this run's bytes per step."""
+    if not baseline_bytes or not result.wire_bytes:
+        return float("nan")
+    return baseline_bytes / result.wire_bytes
+
+
+def table(results, baseline_bytes: int | None) -> str:
+    """A markdown table: accuracy, wire bytes, ratio to ``lax.pmean``, step time."""
+    rows = ["| compressor | test accuracy | wire bytes / step / device | vs pmean "
+            "| bits / value | median step (ms) | run (s) |",
+            "|---|---|---|---|---|---|---|"]
+    for r in results:
+        x = ratio(r, baseline_bytes)
+        wire = f"{r.wire_bytes:,}"
+        if r.wire_bytes_max != r.wire_bytes:
+            wire += f" ({r.wire_bytes_max:,} in warm-up/sampling)"
+        rows.append(f"| {r.name} | {100 * r.final_accuracy:.2f}% | {wire} | {x:.1f}x "
+                    f"| {32 / x:.2f} | {1e3 * r.step_seconds:.1f} | {r.total_seconds:.0f} |")
+    return "\n".join(rows)
+
+
+def plot(results, path, title: str):
+    """Test accuracy against step for every run, saved as PNG."""
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
+    for r in results:
+        ax.plot(r.steps, [100 * a for a in r.accuracy], marker=".", label=r.name)
+    best = max(max(r.accuracy) for r in results)
+    ax.set_ylim(max(0.0, 100 * best - 15), 100 * best + 1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def save(results, baseline_bytes, cfg, out_dir, stem: str, title: str) -> dict:
+    """Writes ``stem.md`` (table), ``stem.json`` (everything) and ``stem.png``."""
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    text = table(results, baseline_bytes)
+    (out / f"{stem}.md").write_text(text + "\n")
+    record = {"config": dataclasses.asdict(cfg), "baseline_wire_bytes": baseline_bytes,
+              "runs": [dataclasses.asdict(r) for r in results]}
+    (out / f"{stem}.json").write_text(json.dumps(record, indent=1))
+    plot(results, out / f"{stem}.png", title)
+    return {"table": out / f"{stem}.md", "json": out / f"{stem}.json", "plot": out / f"{stem}.png"}

@@ -1,0 +1,236 @@
+"""Data-parallel training of a Flax NNX model with `jax.shard_map` over a 1-D mesh.
+
+The pattern (README, "Training with error feedback"): parameters and
+optimizer state carry a leading device axis placed ``P("data")``
+(`transforms.replicate`); inside the mapped step each device sees its own
+block (`transforms.local`), computes gradients on its share of the global
+batch, and the optax chain ``communication -> optimizer`` all-reduces them.
+Every step is awaited (``jax.block_until_ready``): XLA:CPU's in-process
+collectives can deadlock when several collective programs are queued.
+
+Batches are cut from one global permutation per epoch (same seed, same order
+for every compressor); with several processes (``jax.distributed``) each
+process feeds its devices' rows (``jax.make_array_from_process_local_data``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import qcollect as qc
+import transforms
+from common import entropy_plan
+from common.compressors import Communication, communication
+
+AXIS = "data"
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What one training run measured.
+
+    Attributes:
+      name: compressor name.
+      steps / accuracy: evaluation points: step count and test accuracy.
+      losses: mean training loss of every step.
+      wire_bytes: bytes each device sends per step (`qcollect.wire_bytes` of
+        the compiled step); for phased all-reduces, the steady compressed
+        phase (the cheapest branch).
+      wire_bytes_max: the costliest phase (equal to ``wire_bytes`` unless
+        phased: warm-up and sampling steps of GradiVeQ, PowerSGD's start).
+      step_seconds: median wall time of a step (compiles excluded).
+      total_seconds: the whole run, compiles and evaluations included.
+      compiles: step programs compiled (more than one with entropy plans).
+    """
+
+    name: str
+    steps: list
+    accuracy: list
+    losses: list
+    wire_bytes: int
+    wire_bytes_max: int
+    step_seconds: float
+    total_seconds: float
+    compiles: int = 1
+
+    @property
+    def final_accuracy(self) -> float:
+        return self.accuracy[-1]
+
+
+def make_optimizer(cfg) -> optax.GradientTransformation:
+    """The optimizer chained after the all-reduce (AdaGrad by default, as Dryden et al.)."""
+    lr = cfg.learning_rate
+    return {"adagrad": lambda: optax.adagrad(lr), "sgd": lambda: optax.sgd(lr),
+            "momentum": lambda: optax.sgd(lr, momentum=0.9),
+            "adam": lambda: optax.adam(lr)}[cfg.optimizer]()
+
+
+def cross_entropy(logits, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+class DataParallel:
+    """One NNX model, a 1-D mesh over all devices, and jitted data-parallel steps.
+
+    Args:
+      model: an ``nnx.Module`` mapping a batch of images to logits.
+      mesh: a 1-D mesh with axis ``"data"``; default all devices.
+    """
+
+    def __init__(self, model: nnx.Module, mesh=None):
+        self.mesh = mesh if mesh is not None else jax.make_mesh((jax.device_count(),), (AXIS,))
+        self.num_devices = self.mesh.shape[AXIS]
+        self.graphdef, self.params = nnx.split(model)
+
+    def loss(self, params, x, y):
+        return cross_entropy(nnx.merge(self.graphdef, params)(x), y)
+
+    def grads(self, params, x, y):
+        """Per device (inside the mapped function): loss and gradients."""
+        return jax.value_and_grad(self.loss)(params, x, y)
+
+    def shard_map(self, body, out_specs):
+        """``jit(shard_map(body))`` with every input split ``P("data")``."""
+        return jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=P(AXIS), out_specs=out_specs))
+
+    def step(self, tx: optax.GradientTransformation):
+        """``step(params, opt_state, x, y) -> (params, opt_state, losses, finite)``.
+
+        ``losses`` and ``finite`` have one entry per device (no collective is
+        spent on them, so the step's wire bytes are the gradients' alone).
+        """
+
+        def body(params, opt_state, x, y):
+            p, s = transforms.local(params), transforms.local(opt_state)
+            loss, g = self.grads(p, x, y)
+            updates, s = tx.update(g, s, p)
+            p = optax.apply_updates(p, updates)
+            finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in jax.tree.leaves(p)]))
+            return transforms.unlocal((p, s, loss, finite))
+
+        return self.shard_map(body, P(AXIS))
+
+    def replicate(self, tree):
+        return transforms.replicate(tree, self.mesh, AXIS)
+
+    def batch(self, x: np.ndarray, y: np.ndarray):
+        """A global batch (rows split over the devices) from this process's rows."""
+        sharding = NamedSharding(self.mesh, P(AXIS))
+        rows = len(x) // jax.process_count()
+        lo = jax.process_index() * rows
+        return tuple(jax.make_array_from_process_local_data(sharding, a[lo:lo + rows], a.shape)
+                     for a in (x, y))
+
+    def accuracy(self, params, x, y, batch: int = 2000) -> float:
+        """Test accuracy of device 0's replica (all replicas agree)."""
+        p = transforms.first(params)
+        hits = sum(int(_hits(self.graphdef, p, x[i:i + batch], y[i:i + batch]))
+                   for i in range(0, len(x), batch))
+        return hits / max(len(x), 1)
+
+
+@jax.jit(static_argnums=0)
+def _hits(graphdef, params, x, y):
+    return jnp.sum(jnp.argmax(nnx.merge(graphdef, params)(x), -1) == y)
+
+
+def batches(data, global_batch: int, steps: int, seed: int):
+    """``steps`` global batches: one permutation per epoch, remainder dropped."""
+    n = len(data.x_train)
+    if global_batch > n:
+        raise ValueError(f"the global batch ({global_batch}) is larger than the training set ({n})")
+    rng = np.random.default_rng(seed)
+    per_epoch = n // global_batch
+    order = None
+    for i in range(steps):
+        if i % per_epoch == 0:
+            order = rng.permutation(n)
+        rows = order[(i % per_epoch) * global_batch:(i % per_epoch + 1) * global_batch]
+        yield data.x_train[rows], data.y_train[rows]
+
+
+def run_length(cfg, train_size: int, num_devices: int) -> int:
+    """Steps per run: ``cfg.steps``, else ``cfg.epochs`` passes over the data."""
+    if cfg.steps:
+        return cfg.steps
+    return max(1, int(cfg.epochs * (train_size // (cfg.batch_size * num_devices))))
+
+
+def train(dp: DataParallel, name: str, cfg, data, *, progress=None) -> RunResult:
+    """Trains ``dp``'s model from its initial parameters with compressor ``name``.
+
+    Args:
+      dp: the data-parallel model.
+      name: a compressor name (`common.compressors`).
+      cfg: a `TrainConfig`.
+      data: an `MNIST` whose images have the model's input shape.
+      progress: ``f(total, desc)`` returning a tqdm-like bar, or None.
+    """
+    start = time.perf_counter()
+    key = jax.random.key(cfg.seed)
+    comm: Communication = communication(name, cfg, AXIS, key)
+    optimizer = make_optimizer(cfg)
+    tx = optax.chain(comm.tx, optimizer)
+    planner = (entropy_plan.Planner(dp, comm.entropy, cfg, AXIS, key, optimizer)
+               if comm.entropy is not None else None)
+    step = dp.step(tx)
+
+    params = dp.replicate(dp.params)
+    opt_state = dp.replicate(jax.jit(tx.init)(dp.params))
+    total = run_length(cfg, len(data.x_train), dp.num_devices)
+    every = cfg.eval_every or max(1, total // 20)
+    result = RunResult(name, [0], [dp.accuracy(params, data.x_test, data.y_test)], [],
+                       0, 0, 0.0, 0.0)
+    bar = progress(total, name) if progress else None
+    times, compiled, args = [], set(), None
+    for i, (x, y) in enumerate(batches(data, cfg.batch_size * dp.num_devices, total, cfg.seed)):
+        args = (params, opt_state) + dp.batch(x, y)
+        if planner is not None and i % cfg.entropy_replan_every == 0:
+            step = planner.step(*args)
+        fresh = step not in compiled
+        compiled.add(step)
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(step(*args))
+        elapsed = time.perf_counter() - t0
+        if planner is not None and not np.asarray(out[3]).all():
+            step, out = planner.retry(*args)
+            compiled.add(step)
+            fresh = True
+        params, opt_state, losses, _ = out
+        if not fresh:
+            times.append(elapsed)
+        result.losses.append(float(np.mean(np.asarray(losses))))
+        if (i + 1) % every == 0 or i + 1 == total:
+            result.steps.append(i + 1)
+            result.accuracy.append(dp.accuracy(params, data.x_test, data.y_test))
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{result.losses[-1]:.3f}", acc=f"{result.accuracy[-1]:.4f}",
+                            refresh=False)
+    if bar is not None:
+        bar.close()
+    most = qc.wire_bytes(step, *args)
+    result.wire_bytes = qc.wire_bytes(step, *args, branches="min") if comm.phased else most
+    result.wire_bytes_max = most
+    result.compiles = len(compiled)
+    result.step_seconds = statistics.median(times) if times else float("nan")
+    result.total_seconds = time.perf_counter() - start
+    return result
+
+
+def with_image_shape(data, shape):
+    """``data`` with images reshaped to ``(n,) + shape`` (e.g. ``(28, 28, 1)``)."""
+    return data._replace(x_train=data.x_train.reshape((-1,) + tuple(shape)),
+                         x_test=data.x_test.reshape((-1,) + tuple(shape)))
+

@@ -1,0 +1,1 @@
+"""Dryden et al.'s MNIST network, data-parallel with compressed all-reduce."""

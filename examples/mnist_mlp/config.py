@@ -1,0 +1,25 @@
+"""Defaults of the MLP example: finish in a few minutes on a 2-core CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from common.config import TrainConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(TrainConfig):
+    """`TrainConfig` plus the network's width and depth.
+
+    Dryden et al.: 3 x 4096 hidden units, AdaGrad at 0.005, 4 replicas x 10
+    images, 20 epochs. Default here: 3 x 256, 8 devices x 16 images, one
+    pass over 12,000 images (750 steps ... see README for the figures).
+    """
+
+    width: int = 256
+    depth: int = 3
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.width < 1 or self.depth < 1:
+            raise ValueError(f"width and depth must be >= 1, got {self.width}, {self.depth}")

