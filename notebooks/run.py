@@ -24,7 +24,7 @@ from nbclient import NotebookClient
 
 HERE = Path(__file__).resolve().parent
 QUICK_ENV = "QCOLLECT_NOTEBOOK_QUICK"
-CELL_TIMEOUT_S = 600
+CELL_TIMEOUT_S = 1800
 
 
 def notebooks() -> list[Path]:

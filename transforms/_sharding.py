@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -52,7 +53,23 @@ def replicate(tree, mesh=None, axis_name: str | None = None, *, num_devices: int
     stacked = jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (n,) + jnp.shape(a)), tree)
     if mesh is None:
         return stacked
-    return jax.device_put(stacked, NamedSharding(mesh, P(axis_name)))
+    sharding = NamedSharding(mesh, P(axis_name))
+    if jax.process_count() == 1:
+        return jax.device_put(stacked, sharding)
+    return jax.tree.map(lambda a: _global_copies(a, sharding), stacked)
+
+
+def _global_copies(stacked, sharding):
+    """A ``P(axis)`` array over all processes' devices from this process's copy.
+
+    ``device_put`` onto devices of other processes is not allowed, so each
+    process fills its own shards (every process holds the same values).
+    PRNG key arrays travel as their key data.
+    """
+    is_key = jax.dtypes.issubdtype(stacked.dtype, jax.dtypes.prng_key)
+    host = np.asarray(jax.random.key_data(stacked) if is_key else stacked)
+    out = jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+    return jax.random.wrap_key_data(out, impl=jax.random.key_impl(stacked)) if is_key else out
 
 
 def local(tree):

@@ -111,7 +111,8 @@ def communication(name: str, cfg, axis_name, key) -> Communication:
     if name.startswith("qsgd-"):
         return Communication(_compressed(qc.qsgd(bits=int(name[5:])), cfg, axis_name, key))
     if name == "entropy" or name.startswith("entropy-"):
-        c = qc.entropy(floor=int(name[8:]) if name != "entropy" else cfg.entropy_floor)
+        c = qc.entropy(floor=int(name[8:]) if name != "entropy" else cfg.entropy_floor,
+                       block_size=cfg.entropy_block)
         return Communication(entropy_transform(c, None, cfg, axis_name, key), entropy=c)
     if name == "powersgd":
         return Communication(transforms.powersgd(axis_name, rank=cfg.powersgd_rank, key=key,

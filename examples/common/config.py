@@ -41,6 +41,8 @@ class TrainConfig:
         (Dryden 3.3; 0: exact ``top_k``, several times slower on CPU).
       entropy_floor: Oland & Raj's c for ``entropy``.
       entropy_replan_every: steps between host-side entropy plans.
+      entropy_block: values per independently decodable Huffman block (more,
+        smaller blocks decode faster and send 32 / block bits per value more).
       powersgd_rank / powersgd_start: PowerSGD rank and uncompressed steps.
       gradiveq_*: GradiVeQ's static rank cap r, the compression K / r that
         sets each kernel's slice size K, the loss threshold lambda of eq. (6),
@@ -50,7 +52,7 @@ class TrainConfig:
       progress: show a progress bar per run.
     """
 
-    compressors: tuple[str, ...] = ("none", "onebit", "qsgd-4")
+    compressors: tuple[str, ...] = ("none", "bf16", "onebit", "qsgd-4", "powersgd")
     optimizer: str = "adagrad"
     learning_rate: float = 0.03
     batch_size: int = 16
@@ -67,6 +69,7 @@ class TrainConfig:
     adaptive_sample: int = 256
     entropy_floor: int = 5
     entropy_replan_every: int = 100
+    entropy_block: int = 1024
     powersgd_rank: int = 4
     powersgd_start: int = 10
     gradiveq_rank: int = 64
@@ -89,7 +92,7 @@ class TrainConfig:
                              f"'entropy-<floor c>' or 'all', got {unknown or names}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
-        for name in ("batch_size", "entropy_replan_every", "powersgd_rank",
+        for name in ("batch_size", "entropy_replan_every", "entropy_block", "powersgd_rank",
                      "gradiveq_compression", "gradiveq_rank", "gradiveq_sample_steps",
                      "gradiveq_compressed_steps", "gradiveq_sample_slices",
                      "adaptive_proportion"):

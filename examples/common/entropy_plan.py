@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 import qcollect as qc
 import transforms
 from common.compressors import entropy_transform
+from common.devices import local_values
 
 MARGIN = 1.08
 GROWTH = 1.25
@@ -113,7 +114,7 @@ class Planner:
             self.margin *= 2
             step = self.step(params, opt_state, x, y)
             out = jax.block_until_ready(step(params, opt_state, x, y))
-            if bool(jax.device_get(out[3]).all()):
+            if local_values(out[3]).all():
                 return step, out
         raise FloatingPointError("the entropy step stays non-finite with larger plans: "
                                  "the gradients themselves are not finite")

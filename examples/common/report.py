@@ -30,7 +30,7 @@ def table(results, baseline_bytes: int | None) -> str:
         x = ratio(r, baseline_bytes)
         wire = f"{r.wire_bytes:,}"
         if r.wire_bytes_max != r.wire_bytes:
-            wire += f" ({r.wire_bytes_max:,} in warm-up/sampling)"
+            wire += f" (up to {r.wire_bytes_max:,} in other phases)"
         rows.append(f"| {r.name} | {100 * r.final_accuracy:.2f}% | {wire} | {x:.1f}x "
                     f"| {32 / x:.2f} | {1e3 * r.step_seconds:.1f} | {r.total_seconds:.0f} |")
     return "\n".join(rows)

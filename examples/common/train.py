@@ -31,6 +31,7 @@ import qcollect as qc
 import transforms
 from common import entropy_plan
 from common.compressors import Communication, communication
+from common.devices import local_values
 
 AXIS = "data"
 
@@ -44,10 +45,10 @@ class RunResult:
       steps / accuracy: evaluation points: step count and test accuracy.
       losses: mean training loss of every step.
       wire_bytes: bytes each device sends per step (`qcollect.wire_bytes` of
-        the compiled step); for phased all-reduces, the steady compressed
-        phase (the cheapest branch).
+        the compiled step); for phased all-reduces, the cheapest phase.
       wire_bytes_max: the costliest phase (equal to ``wire_bytes`` unless
-        phased: warm-up and sampling steps of GradiVeQ, PowerSGD's start).
+        phased: PowerSGD's uncompressed start; for GradiVeQ its QSGD sampling
+        steps and its PCA steps, whichever sends more).
       step_seconds: median wall time of a step (compiles excluded).
       total_seconds: the whole run, compiles and evaluations included.
       compiles: step programs compiled (more than one with entropy plans).
@@ -203,14 +204,14 @@ def train(dp: DataParallel, name: str, cfg, data, *, progress=None) -> RunResult
         t0 = time.perf_counter()
         out = jax.block_until_ready(step(*args))
         elapsed = time.perf_counter() - t0
-        if planner is not None and not np.asarray(out[3]).all():
+        if planner is not None and not local_values(out[3]).all():
             step, out = planner.retry(*args)
             compiled.add(step)
             fresh = True
         params, opt_state, losses, _ = out
         if not fresh:
             times.append(elapsed)
-        result.losses.append(float(np.mean(np.asarray(losses))))
+        result.losses.append(float(local_values(losses).mean()))
         if (i + 1) % every == 0 or i + 1 == total:
             result.steps.append(i + 1)
             result.accuracy.append(dp.accuracy(params, data.x_test, data.y_test))

@@ -12,8 +12,8 @@ class Config(TrainConfig):
     """`TrainConfig` plus the network's width and depth.
 
     Dryden et al.: 3 x 4096 hidden units, AdaGrad at 0.005, 4 replicas x 10
-    images, 20 epochs. Default here: 3 x 256, 8 devices x 16 images, one
-    pass over 12,000 images (750 steps ... see README for the figures).
+    images, 20 epochs. Default here: 3 x 256 hidden units, AdaGrad at 0.03,
+    8 devices x 16 images, one epoch (468 steps) per compressor.
     """
 
     width: int = 256

@@ -1,0 +1,132 @@
+"""Command line of ``python -m qcollect.launch`` and its RATE / DELAY formats."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12,
+               "bps": 8, "kbps": 8 * 10**3, "mbps": 8 * 10**6, "gbps": 8 * 10**9}
+_DELAY_UNITS = {"us": 1, "usec": 1, "ms": 10**3, "msec": 10**3, "s": 10**6, "sec": 10**6}
+_NUMBER = r"(\d+(?:\.\d*)?|\.\d+)"
+
+
+def parse_rate(text: str, name: str = "--bandwidth") -> int:
+    """Parses a link rate in ``tc`` units into bits per second.
+
+    Args:
+      text: a positive number and a unit: ``bit``, ``kbit``, ``mbit``,
+        ``gbit``, ``tbit`` (powers of 1000 bits per second) or ``bps``,
+        ``kbps``, ``mbps``, ``gbps`` (bytes per second), e.g. ``"1gbit"``,
+        ``"100mbit"``, ``"12.5mbps"``; case-insensitive.
+      name: the argument named in the error message.
+
+    Returns:
+      The rate in bits per second (an int of at least 8).
+
+    Raises:
+      ValueError: ``text`` is not such a rate.
+
+    Example:
+      >>> parse_rate("100mbit")
+      100000000
+    """
+    m = re.fullmatch(_NUMBER + r"\s*([a-z]+)", text.strip().lower())
+    if m is None or m.group(2) not in _RATE_UNITS:
+        raise ValueError(f"{name} must be a number with a unit in "
+                         f"{'/'.join(_RATE_UNITS)} (e.g. 1gbit, 100mbit), got {text!r}")
+    bits = round(float(m.group(1)) * _RATE_UNITS[m.group(2)])
+    if bits < 8:
+        raise ValueError(f"{name} must be at least 8bit (one byte per second), got {text!r}")
+    return bits
+
+
+def parse_delay(text: str, name: str = "--latency") -> int:
+    """Parses a delay in ``tc`` units into whole microseconds.
+
+    Args:
+      text: a non-negative number and a unit ``us``, ``ms`` or ``s`` (also
+        ``usec``, ``msec``, ``sec``), e.g. ``"1ms"``, ``"250us"``;
+        case-insensitive.
+      name: the argument named in the error message.
+
+    Returns:
+      The delay in microseconds.
+
+    Raises:
+      ValueError: ``text`` is not such a delay, or is over 60 s.
+
+    Example:
+      >>> parse_delay("1.5ms")
+      1500
+    """
+    m = re.fullmatch(_NUMBER + r"\s*([a-z]+)", text.strip().lower())
+    if m is None or m.group(2) not in _DELAY_UNITS:
+        raise ValueError(f"{name} must be a number with a unit in "
+                         f"{'/'.join(_DELAY_UNITS)} (e.g. 1ms, 250us), got {text!r}")
+    micros = round(float(m.group(1)) * _DELAY_UNITS[m.group(2)])
+    if micros > 60 * 10**6:
+        raise ValueError(f"{name} must be at most 60s, got {text!r}")
+    return micros
+
+
+def _positive(name: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}")
+        return value
+
+    return parse
+
+
+def _typed(fn, name: str):
+    def parse(text: str):
+        try:
+            return fn(text, name)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The launcher's argument parser (errors exit with status 2)."""
+    p = argparse.ArgumentParser(
+        prog="python -m qcollect.launch",
+        description="Runs NPROC local processes of a JAX script joined by jax.distributed "
+                    "(Gloo CPU collectives), optionally over a shaped network of Linux "
+                    "network namespaces. The script calls qcollect.launch.initialize() "
+                    "before any other JAX use.")
+    p.add_argument("--nproc", type=_positive("--nproc"), required=True,
+                   help="number of processes")
+    p.add_argument("--devices-per-process", type=_positive("--devices-per-process"), default=1,
+                   metavar="K", help="simulated CPU devices per process (default 1)")
+    p.add_argument("--bandwidth", type=_typed(parse_rate, "--bandwidth"), metavar="RATE",
+                   help="shape every process's link to RATE each way (tc units: 1gbit, "
+                        "100mbit, ...); runs each process in its own network namespace "
+                        "(root, ip, tc and unshare required)")
+    p.add_argument("--latency", type=_typed(parse_delay, "--latency"), metavar="DELAY",
+                   help="one-way delay added to what each process sends (1ms, 250us, ...); "
+                        "implies namespaces; needs the kernel's netem qdisc")
+    p.add_argument("--kill-timeout", type=float, default=3.0, metavar="SECONDS",
+                   help="after SIGTERM, seconds before SIGKILL (default 3)")
+    p.add_argument("script", help="Python script run as `python script [args]`")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Parses and validates the launcher's command line.
+
+    Raises:
+      SystemExit: status 2 with a message naming the offending argument.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.kill_timeout < 0:
+        parser.error("--kill-timeout must be non-negative")
+    return args

@@ -1,0 +1,31 @@
+"""Environment variables that carry a worker's place in the launched job."""
+
+from __future__ import annotations
+
+COORDINATOR = "QCOLLECT_COORDINATOR_ADDRESS"
+NUM_PROCESSES = "QCOLLECT_NUM_PROCESSES"
+PROCESS_ID = "QCOLLECT_PROCESS_ID"
+DEVICES_PER_PROCESS = "QCOLLECT_DEVICES_PER_PROCESS"
+
+# JAX 0.10 reads only the coordinator from the environment
+# (``jax.distributed.initialize`` falls back to JAX_COORDINATOR_ADDRESS); it has
+# no environment-variable cluster for the process count and id, so a script
+# must call `qcollect.launch.initialize`. The other two are set for scripts
+# that read them by these conventional names.
+JAX_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
+JAX_NUM_PROCESSES = "JAX_NUM_PROCESSES"
+JAX_PROCESS_ID = "JAX_PROCESS_ID"
+
+
+def worker_environment(coordinator: str, num_processes: int, rank: int,
+                       devices_per_process: int) -> dict[str, str]:
+    """The variables the launcher adds to worker ``rank``'s environment."""
+    return {
+        COORDINATOR: coordinator,
+        NUM_PROCESSES: str(num_processes),
+        PROCESS_ID: str(rank),
+        DEVICES_PER_PROCESS: str(devices_per_process),
+        JAX_COORDINATOR: coordinator,
+        JAX_NUM_PROCESSES: str(num_processes),
+        JAX_PROCESS_ID: str(rank),
+    }

@@ -1,0 +1,190 @@
+"""Worker script for tests/test_launch.py, run by ``python -m qcollect.launch``.
+
+Modes (first argument):
+  ``check OUT_DIR``: ring, compressed and optax all-reduces on the global mesh
+    (every process's devices), checked against sums computed with numpy; each
+    process writes its rows to ``OUT_DIR/rank<r>.npz``. Exits 1 on mismatch.
+  ``crash OUT_DIR``: process 1 exits with status 3 right after joining while
+    process 0 waits in a collective that can never finish.
+  ``sleep OUT_DIR``: prints ``ready`` and sleeps (for signal tests).
+Every mode writes its process id to ``OUT_DIR/pid<r>``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+import sys
+import time
+
+import qcollect.launch
+
+LENGTH = 1001   # not a multiple of the device count
+STEPS = 2
+QSGD_LEVELS = 7  # 4-bit QSGD: a sign bit and 3-bit levels 0..7
+
+
+def inputs(num_devices: int, step: int = 0):
+    """Integer-valued float32 vectors, one row per device (sums are exact)."""
+    import numpy as np
+
+    rows = [np.random.default_rng(1000 * step + d).integers(-8, 9, LENGTH)
+            for d in range(num_devices)]
+    return np.stack(rows).astype(np.float32)
+
+
+def global_array(mesh, full):
+    """A ``P("d")``-sharded array from the full host value (any process count)."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    if jax.dtypes.issubdtype(full.dtype, jax.dtypes.prng_key):
+        data = global_array(mesh, jax.random.key_data(full))
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(full))
+    full = np.asarray(full)
+    return jax.make_array_from_callback(full.shape, NamedSharding(mesh, P("d")),
+                                        lambda index: full[index])
+
+
+def replicate(mesh, tree):
+    """``tree`` stacked once per device along a new leading axis, sharded ``P("d")``."""
+    import jax
+    import jax.numpy as jnp
+
+    n = mesh.shape["d"]
+    return jax.tree.map(lambda a: global_array(mesh, jnp.broadcast_to(a, (n,) + a.shape)), tree)
+
+
+def _update(tx, state, grads):
+    import transforms
+
+    s, g = transforms.local((state, grads))
+    updates, s = tx.update(g, s)
+    return transforms.unlocal((updates, s))
+
+
+def compute(mesh) -> dict:
+    """Every checked result on ``mesh`` (axis ``"d"``): name -> global ``(n, LENGTH)`` array."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    import qcollect as qc
+    import transforms
+
+    n = mesh.shape["d"]
+    key = jax.random.key(0)
+    x = global_array(mesh, inputs(n))
+
+    def mapped(fn):
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+
+    def reduce_with(compressor, algorithm):
+        def body(block):
+            out = qc.compressed_all_reduce(block[0], "d", compressor, key, algorithm=algorithm)
+            return out.value[None]
+        return mapped(body)
+
+    results = {
+        "ring": mapped(lambda b: qc.ring_all_reduce(b[0], "d")[None]),
+        "identity_ring": reduce_with(qc.identity(), "ring"),
+        "qsgd4_pairwise": reduce_with(qc.qsgd(bits=4, stochastic=False), "pairwise"),
+    }
+    out = {name: jax.block_until_ready(fn(x)) for name, fn in results.items()}
+
+    for name, compressor in (("tx_identity", qc.identity()),
+                             ("tx_qsgd4", qc.qsgd(bits=4, stochastic=False))):
+        tx = transforms.compressed_allreduce(compressor, "d", key=key, mean=True,
+                                             algorithm="auto", error_feedback=True)
+        state = replicate(mesh, tx.init({"w": jax.numpy.zeros(LENGTH)}))
+        step = mapped(functools.partial(_update, tx))
+        for t in range(STEPS):
+            grads = {"w": global_array(mesh, inputs(n, step=t))}
+            updates, state = jax.block_until_ready(step(state, grads))
+            out[f"{name}_step{t}"] = updates["w"]
+    return out
+
+
+def local_rows(array) -> dict:
+    """This process's rows of a ``P("d")`` array: row index -> numpy row."""
+    import numpy as np
+
+    return {s.index[0].start: np.asarray(s.data)[0] for s in array.addressable_shards}
+
+
+def qsgd_bound(rows):
+    """Largest error of a pairwise 4-bit QSGD sum with nearest rounding.
+
+    Each contribution is rounded once to a grid of ``max|x| / 7`` (error at
+    most half a step) and the owner's sum once more.
+    """
+    import numpy as np
+
+    total = rows.sum(0)
+    return 0.5 * (np.abs(rows).max(1).sum() + np.abs(total).max()) / QSGD_LEVELS + 1e-4
+
+
+def check(results: dict, n: int) -> list[str]:
+    """Mismatches of ``results``' local rows against numpy (empty when all agree)."""
+    import numpy as np
+
+    errors = []
+    total = inputs(n).sum(0)
+    expected = {"ring": (total, 0.0), "identity_ring": (total, 0.0),
+                "qsgd4_pairwise": (total, qsgd_bound(inputs(n)))}
+    for t in range(STEPS):
+        g = inputs(n, step=t)
+        expected[f"tx_identity_step{t}"] = (g.mean(0), 0.0)
+        # Error feedback: this step's input is g plus last step's residual,
+        # whose size the first step's bound caps.
+        bound = qsgd_bound(g) / n * (1 + t)
+        expected[f"tx_qsgd4_step{t}"] = (g.mean(0), bound)
+    for name, array in results.items():
+        want, tol = expected[name]
+        for row, got in local_rows(array).items():
+            err = float(np.max(np.abs(got - want)))
+            if not err <= tol:
+                errors.append(f"{name} row {row}: max error {err} > {tol}")
+    return errors
+
+
+def main(argv) -> int:
+    mode, out_dir = argv[0], pathlib.Path(argv[1])
+    qcollect.launch.initialize()
+    import jax
+    import numpy as np
+
+    rank = jax.process_index()
+    (out_dir / f"pid{rank}").write_text(str(os.getpid()))
+    if mode == "sleep":
+        print("ready", flush=True)
+        time.sleep(120)
+        return 0
+    mesh = jax.make_mesh((jax.device_count(),), ("d",))
+    if mode == "crash":
+        if rank == 1:
+            sys.exit(3)
+        x = global_array(mesh, inputs(jax.device_count()))
+        psum = jax.jit(jax.shard_map(functools.partial(jax.lax.psum, axis_name="d"), mesh=mesh,
+                                     in_specs=jax.P("d"), out_specs=jax.P()))
+        print("waiting in a collective", flush=True)
+        jax.block_until_ready(psum(x))
+        time.sleep(120)
+        return 0
+    n = jax.device_count()
+    print(f"process {rank} of {jax.process_count()}, {jax.local_device_count()} of {n} devices",
+          flush=True)
+    results = compute(mesh)
+    errors = check(results, n)
+    for e in errors:
+        print(e, file=sys.stderr)
+    rows = {f"{name}/{row}": v for name, a in results.items() for row, v in local_rows(a).items()}
+    np.savez(out_dir / f"rank{rank}.npz", **rows)
+    print("ok" if not errors else f"{len(errors)} mismatches", flush=True)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
