@@ -6,10 +6,7 @@ import dataclasses
 import json
 import pathlib
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure
 
 BASELINE = "none"
 
@@ -38,7 +35,8 @@ def table(results, baseline_bytes: int | None) -> str:
 
 def plot(results, path, title: str):
     """Test accuracy against step for every run, saved as PNG."""
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
+    fig = Figure(figsize=(7, 4.5), dpi=100)  # no pyplot: leaves the caller's backend alone
+    ax = fig.subplots()
     for r in results:
         ax.plot(r.steps, [100 * a for a in r.accuracy], marker=".", label=r.name)
     best = max(max(r.accuracy) for r in results)
@@ -50,7 +48,6 @@ def plot(results, path, title: str):
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)
 
 
 def save(results, baseline_bytes, cfg, out_dir, stem: str, title: str) -> dict:
