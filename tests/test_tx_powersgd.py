@@ -206,28 +206,30 @@ def test_nan_step_keeps_q_and_residuals():
     assert all(np.isfinite(np.asarray(s)).all() for s in jax.tree.leaves(state.q))
 
 
+def _stepper(mesh, tx):
+    """One jitted shard_map update of ``tx`` (per-device grads and state)."""
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+    def step(grads, state):
+        u, s = tx.update(*transforms.local((grads, state)))
+        return transforms.unlocal((u, s))
+    return step
+
+
 def test_wire_bytes_versus_uncompressed():
     """Bytes per device per step on 8 devices, measured from the compiled HLO."""
     shapes = {"w1": (256, 128), "w2": (128, 64), "b": (64,)}
     rank = 4
     mesh = mesh_of(N)
 
-    def stepper(tx):
-        @jax.jit
-        @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
-        def step(grads, state):
-            u, s = tx.update(*transforms.local((grads, state)))
-            return transforms.unlocal((u, s))
-        return step
-
     template = _template(shapes)
     grads = jax.device_put(_grads(40, shapes=shapes), NamedSharding(mesh, P("d")))
     tx = transforms.powersgd("d", rank=rank, key=jax.random.key(6), start_iter=0)
     state = transforms.replicate(jax.jit(tx.init)(template), mesh, "d")
-    ours = qc.wire_bytes(stepper(tx), grads, state)
+    ours = qc.wire_bytes(_stepper(mesh, tx), grads, state)
     plain = _pmean_tx()
-    base = qc.wire_bytes(stepper(plain), grads, transforms.replicate(jax.jit(plain.init)(template),
-                                                                      mesh, "d"))
+    plain_state = transforms.replicate(jax.jit(plain.init)(template), mesh, "d")
+    base = qc.wire_bytes(_stepper(mesh, plain), grads, plain_state)
     # Two fused float32 rings (P: sum n r values, Q: sum m r values), each
     # 2 (N - 1) shifts of a ceil(K / N) chunk, plus the bias all-reduce.
     ring = lambda k: 2 * (N - 1) * -(-k // N) * 4  # noqa: E731
@@ -255,28 +257,20 @@ def test_flax_conv_kernel_is_compressed_with_the_default_view():
                                    matrix_view="first").init(p)
     assert init_first(template).q["conv"].shape == (0,)
 
-    def stepper(tx):
-        @jax.jit
-        @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
-        def step(grads, state):
-            u, s = tx.update(*transforms.local((grads, state)))
-            return transforms.unlocal((u, s))
-        return step
-
     tx = transforms.powersgd("d", rank=rank, key=jax.random.key(8), start_iter=0)
     state = transforms.replicate(jax.jit(tx.init)(template), mesh, "d")
     assert state.q["conv"].shape == (N, 16, rank) and state.q["b"].shape == (N, 0)
     assert state.residuals["conv"].shape == (N, 3, 3, 8, 16)
     grads = jax.device_put(_grads(50, shapes=shapes), NamedSharding(mesh, P("d")))
-    updates, new_state = stepper(tx)(grads, state)
+    updates, new_state = _stepper(mesh, tx)(grads, state)
     u = np.asarray(updates["conv"])
     assert u.shape == (N, 3, 3, 8, 16) and np.isfinite(u).all()
     np.testing.assert_allclose(u, np.broadcast_to(u[0], u.shape), atol=1e-6)
     assert np.abs(np.asarray(new_state.residuals["conv"])).max() > 0.1  # really low rank
-    ours = qc.wire_bytes(stepper(tx), grads, state)
+    ours = qc.wire_bytes(_stepper(mesh, tx), grads, state)
     plain = _pmean_tx()
-    base = qc.wire_bytes(stepper(plain), grads, transforms.replicate(jax.jit(plain.init)(template),
-                                                                      mesh, "d"))
+    plain_state = transforms.replicate(jax.jit(plain.init)(template), mesh, "d")
+    base = qc.wire_bytes(_stepper(mesh, plain), grads, plain_state)
     # Two float32 rings, P (72 r values) then Q (16 r values), plus the bias all-reduce.
     ring = lambda k: 2 * (N - 1) * -(-k // N) * 4  # noqa: E731
     assert base == pytest.approx(2 * (N - 1) / N * 4 * (3 * 3 * 8 * 16 + 16))

@@ -11,6 +11,15 @@ _DELAY_UNITS = {"us": 1, "usec": 1, "ms": 10**3, "msec": 10**3, "s": 10**6, "sec
 _NUMBER = r"(\d+(?:\.\d*)?|\.\d+)"
 
 
+def _scaled(text: str, units: dict, name: str, examples: str) -> int:
+    """``number unit`` times the unit's factor, rounded; ValueError naming ``name``."""
+    m = re.fullmatch(_NUMBER + r"\s*([a-z]+)", text.strip().lower())
+    if m is None or m.group(2) not in units:
+        raise ValueError(f"{name} must be a number with a unit in "
+                         f"{'/'.join(units)} (e.g. {examples}), got {text!r}")
+    return round(float(m.group(1)) * units[m.group(2)])
+
+
 def parse_rate(text: str, name: str = "--bandwidth") -> int:
     """Parses a link rate in ``tc`` units into bits per second.
 
@@ -31,11 +40,7 @@ def parse_rate(text: str, name: str = "--bandwidth") -> int:
       >>> parse_rate("100mbit")
       100000000
     """
-    m = re.fullmatch(_NUMBER + r"\s*([a-z]+)", text.strip().lower())
-    if m is None or m.group(2) not in _RATE_UNITS:
-        raise ValueError(f"{name} must be a number with a unit in "
-                         f"{'/'.join(_RATE_UNITS)} (e.g. 1gbit, 100mbit), got {text!r}")
-    bits = round(float(m.group(1)) * _RATE_UNITS[m.group(2)])
+    bits = _scaled(text, _RATE_UNITS, name, "1gbit, 100mbit")
     if bits < 8:
         raise ValueError(f"{name} must be at least 8bit (one byte per second), got {text!r}")
     return bits
@@ -60,11 +65,7 @@ def parse_delay(text: str, name: str = "--latency") -> int:
       >>> parse_delay("1.5ms")
       1500
     """
-    m = re.fullmatch(_NUMBER + r"\s*([a-z]+)", text.strip().lower())
-    if m is None or m.group(2) not in _DELAY_UNITS:
-        raise ValueError(f"{name} must be a number with a unit in "
-                         f"{'/'.join(_DELAY_UNITS)} (e.g. 1ms, 250us), got {text!r}")
-    micros = round(float(m.group(1)) * _DELAY_UNITS[m.group(2)])
+    micros = _scaled(text, _DELAY_UNITS, name, "1ms, 250us")
     if micros > 60 * 10**6:
         raise ValueError(f"{name} must be at most 60s, got {text!r}")
     return micros
