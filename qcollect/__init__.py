@@ -18,6 +18,7 @@ from qcollect._adaptive import adaptive
 from qcollect._baseline import cast, identity
 from qcollect._compressed import ALGORITHMS, AllReduceResult, compressed_all_reduce
 from qcollect._entropy import EntropyCompressor, EntropyPlan, entropy
+from qcollect._fusion import BUCKET_BYTES
 from qcollect._onebit import onebit
 from qcollect._packing import pack_bits, packed_words, unpack_bits
 from qcollect._payload import Compressor, Payload, payload_bytes
@@ -49,6 +50,7 @@ __all__ = [
     "as_varying",
     "ALGORITHMS",
     "AllReduceResult",
+    "BUCKET_BYTES",
     "Compressor",
     "EntropyCompressor",
     "EntropyPlan",

@@ -33,6 +33,8 @@ Randomness: every device uses ``fold_in(key, axis_index)``, then one more
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import Any, NamedTuple
 
 import jax
@@ -40,7 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from qcollect._config import check_choice
-from qcollect._fusion import fuse_by_dtype
+from qcollect._fusion import BUCKET_BYTES, fuse_by_dtype
 from qcollect._payload import Compressor
 from qcollect._ring import (
     as_varying,
@@ -108,8 +110,11 @@ def _pairwise(chunks, axis_name, compressor, key, n, me, owner_residual):
     for t in range(1, n):
         perm = [(i, (i + t) % n) for i in range(n)]
         received.append(permute(mine(me + t), axis_name, perm))
-    stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *received)
-    reduced = jnp.sum(decode(stacked).astype(jnp.float32), axis=0)
+    # Decode and add one payload at a time: one fused elementwise pass.
+    # (Stacking the decodes and summing over axis 0 is a major-axis reduction,
+    # which XLA:CPU runs ~30x slower than the adds.)
+    reduced = functools.reduce(
+        operator.add, [compressor.decode(p).astype(jnp.float32) for p in received])
     if owner_residual is not None:
         reduced = reduced + take_chunk(owner_residual, me).astype(jnp.float32)
     requantized = compressor.encode(reduced.astype(chunks.dtype),
@@ -179,6 +184,7 @@ def _reduce_flat(flat, axis_name, compressor, key, algorithm, owner_residual):
 
 def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
                           algorithm: str = "auto", mean: bool = False, fuse: bool = True,
+                          bucket_bytes: int | None = BUCKET_BYTES,
                           owner_residual=None) -> AllReduceResult:
     """All-reduce of an array or pytree with every hop compressed.
 
@@ -192,9 +198,14 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
         ``"ring_requantize"``, or ``"auto"``: ring for linear compressors,
         else pairwise. See the module docstring.
       mean: divide the sum by the number of devices.
-      fuse: concatenate leaves of one dtype into one buffer first (default),
-        so small leaves ride together and one collective runs per dtype; with
-        False every leaf is reduced on its own.
+      fuse: concatenate leaves of one dtype into buffers first (default), so
+        small leaves ride together; with False every leaf is reduced on its
+        own.
+      bucket_bytes: cap of a fused buffer (default 4 MiB, like the buckets of
+        PyTorch DDP): leaves fill a buffer in tree order until the next would
+        pass the cap, and a leaf of ``bucket_bytes`` or more is reduced on its
+        own, so large leaves are not copied into a concatenation. None: one
+        buffer per dtype.
       owner_residual: ``"pairwise"`` only: the previous step's ``owner_error``
         (same structure as ``x``), added to the owner's reduced chunk before
         re-encoding.
@@ -227,8 +238,9 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
     key = jax.random.fold_in(key, lax.axis_index(axis_name))
     n = int(lax.axis_size(axis_name))
 
-    buffers, unfuse = fuse_by_dtype(x, separate=not fuse)
-    residuals = (fuse_by_dtype(owner_residual, x, separate=not fuse)[0]
+    buffers, unfuse = fuse_by_dtype(x, separate=not fuse, bucket_bytes=bucket_bytes)
+    residuals = (fuse_by_dtype(owner_residual, x, separate=not fuse,
+                               bucket_bytes=bucket_bytes)[0]
                  if owner_residual is not None else dict.fromkeys(buffers))
     parts = {name: _reduce_flat(flat, axis_name, compressor, jax.random.fold_in(key, i),
                                 algorithm, residuals[name])

@@ -66,6 +66,19 @@ def _update(tx, state, grads):
     return transforms.unlocal((updates, s))
 
 
+def _in_small_pieces(run) -> dict:
+    """``run()`` traced with 256-byte swap pieces, so that the pieces of a swap
+    between processes (qcollect._ring.permute) are exercised, unevenly split."""
+    from qcollect import _ring
+
+    saved = _ring.SWAP_PIECE_BYTES
+    _ring.SWAP_PIECE_BYTES = 256
+    try:
+        return run()
+    finally:
+        _ring.SWAP_PIECE_BYTES = saved
+
+
 def compute(mesh) -> dict:
     """Every checked result on ``mesh`` (axis ``"d"``): name -> global ``(n, LENGTH)`` array."""
     import jax
@@ -93,6 +106,11 @@ def compute(mesh) -> dict:
         "qsgd4_pairwise": reduce_with(qc.qsgd(bits=4, stochastic=False), "pairwise"),
     }
     out = {name: jax.block_until_ready(fn(x)) for name, fn in results.items()}
+    out.update(_in_small_pieces(lambda: {
+        "ring_pieces": jax.block_until_ready(
+            mapped(lambda b: qc.ring_all_reduce(b[0], "d")[None])(x)),
+        "identity_pairwise_pieces": jax.block_until_ready(
+            reduce_with(qc.identity(), "pairwise")(x))}))
 
     for name, compressor in (("tx_identity", qc.identity()),
                              ("tx_qsgd4", qc.qsgd(bits=4, stochastic=False))):
@@ -133,6 +151,7 @@ def check(results: dict, n: int) -> list[str]:
     errors = []
     total = inputs(n).sum(0)
     expected = {"ring": (total, 0.0), "identity_ring": (total, 0.0),
+                "ring_pieces": (total, 0.0), "identity_pairwise_pieces": (total, 0.0),
                 "qsgd4_pairwise": (total, qsgd_bound(inputs(n)))}
     for t in range(STEPS):
         g = inputs(n, step=t)

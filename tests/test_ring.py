@@ -112,3 +112,21 @@ def test_hlo_is_a_loop_not_unrolled(n):
 def test_scalar_input_is_rejected():
     with pytest.raises(ValueError, match="leading axis"):
         per_device(lambda v: qc.ring_reduce_scatter(v.sum(), "d"), 2)(jnp.zeros((2, 3)))
+
+
+@pytest.mark.parametrize("perm, swap", [
+    ([(0, 1), (1, 0)], True),                    # two devices: every ring step
+    ([(0, 2), (1, 3), (2, 0), (3, 1)], True),    # shift by N / 2
+    ([(0, 1), (1, 2), (2, 3), (3, 0)], False),   # a ring of four
+    ([(0, 0), (1, 1)], False),                   # sending to oneself moves nothing
+])
+def test_swaps_are_found(perm, swap):
+    from qcollect._ring import _has_swap
+
+    assert _has_swap(perm) is swap
+
+
+def test_one_process_never_splits_swaps():
+    from qcollect._ring import _split_swaps
+
+    assert jax.process_count() == 1 and not _split_swaps([(0, 1), (1, 0)])

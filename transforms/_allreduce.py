@@ -56,12 +56,13 @@ def compressed_allreduce(compressor: CompressorSpec, axis_name, *, key: jax.Arra
                          mean: bool = True, error_feedback: bool = True,
                          algorithm: str = "auto", min_size: int = 0,
                          compress_if: Callable | None = None,
-                         fuse: bool = True) -> optax.GradientTransformation:
+                         fuse: bool = True, bucket_bytes: int | None = qc.BUCKET_BYTES
+                         ) -> optax.GradientTransformation:
     """All-reduce the gradients through ``compressor``, with error feedback.
 
     Each step, on every device: ``input = g + residual`` (float32); the
     compressed leaves are summed by `qcollect.compressed_all_reduce` (leaves
-    sharing a compressor are fused into one buffer per dtype), the others by
+    sharing a compressor are fused into buffers of up to 4 MiB per dtype), the others by
     ``lax.psum``; ``residual = input - contributed``, where ``contributed`` is
     what this device's own encodings decode to (Seide; Grubic et al.
     Algorithm 2). With ``algorithm="pairwise"`` the owner's re-encoding error
@@ -91,7 +92,10 @@ def compressed_allreduce(compressor: CompressorSpec, axis_name, *, key: jax.Arra
       min_size: leaves with fewer values go uncompressed (Grubic: quantize
         >= 99% of the parameters; small biases ride along in full precision).
       compress_if: optional predicate ``(path, leaf) -> bool``.
-      fuse: fuse leaves of one compressor into one buffer per dtype.
+      fuse: fuse leaves of one compressor into buffers per dtype.
+      bucket_bytes: cap of a fused buffer (default 4 MiB); larger leaves are
+        reduced on their own. None: one buffer per compressor and dtype. See
+        `qcollect.compressed_all_reduce`.
 
     Returns:
       An ``optax.GradientTransformation``; ``update(grads, state, params=None)``.
@@ -149,7 +153,7 @@ def compressed_allreduce(compressor: CompressorSpec, axis_name, *, key: jax.Arra
             owner_in = [owners[i] for i in members] if pairwise and error_feedback else None
             result = qc.compressed_all_reduce(
                 xs, axis_name, c, jax.random.fold_in(step_key, g), algorithm=algorithm,
-                mean=mean, fuse=fuse, owner_residual=owner_in)
+                mean=mean, fuse=fuse, bucket_bytes=bucket_bytes, owner_residual=owner_in)
             for j, i in enumerate(members):
                 out[i] = result.value[j]
                 if error_feedback:

@@ -63,8 +63,9 @@ def _empty():
 def _ring_sum(payloads, axis_name):
     """Sums payloads in the compressed domain: a ring all-reduce of their words.
 
-    All leaves' payloads are fused into one float32 buffer, so one ring runs
-    per round, as PyTorch all-reduces all ``P`` (or ``Q``) of a bucket at once.
+    The leaves' payloads are fused into float32 buffers of up to 4 MiB
+    (`qcollect.BUCKET_BYTES`), so one ring runs per bucket and round, as
+    PyTorch all-reduces all ``P`` (or ``Q``) of a bucket at once.
     """
     if not payloads:
         return []
@@ -97,7 +98,7 @@ def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = 1_000,
       ``Q`` from ``fold_in(key, step)``, the same on all devices.
 
     Each round sends ``4 r (n + m)`` bytes per compressed leaf instead of
-    ``4 n m``, in one fused ring all-reduce for all leaves. Since the local
+    ``4 n m``, in fused ring all-reduces (one per 4 MiB bucket). Since the local
     errors of the devices average to ``mean_i M_i - M^``, error feedback
     telescopes: the sum of the updates plus the mean of the residuals equals
     the sum of the mean gradients. Uncompressed leaves keep no residual

@@ -5,6 +5,7 @@ import sys
 BENCHMARKS = {
     "quantizers": "qcollect.bench.quantizers",
     "collectives": "qcollect.bench.collectives",
+    "network": "qcollect.bench.network",
 }
 
 

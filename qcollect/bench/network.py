@@ -1,0 +1,142 @@
+"""Network benchmark: all-reduce across processes on a shaped local network.
+
+``python -m qcollect.bench network`` starts itself under the launcher
+(``python -m qcollect.launch --nproc 4 --bandwidth 1gbit``: four processes,
+each in its own network namespace whose link is shaped to 1 Gbit/s each way)
+and times, for float32 buffers of 1 to 64 MiB per process:
+
+* ``psum``: ``lax.psum`` (XLA's all-reduce, Gloo's algorithm on CPU);
+* ``ring``: qcollect's uncompressed `ring_all_reduce` (``ppermute`` steps);
+* `compressed_all_reduce` with ``cast-bf16`` and ``pca`` (compressed-domain
+  ring; PCA of 64-value slices at rank 8, fitted on other draws of the same
+  data) and ``qsgd-8``, ``qsgd-4``, ``onebit`` (buckets of 64) and
+  ``adaptive`` (Dryden's proportion 64 per bucket of 512: a flat buffer has
+  no weight-matrix columns) by pairwise exchange, with one re-quantization at
+  the chunk's owner.
+
+The buffers are gradient-like (`qcollect.bench.collectives`), a different
+draw per process; the error is ``||estimate - sum|| / ||sum||`` of one
+all-reduce without error feedback.
+
+Every repetition runs all methods one after the other (interleaved, so a slow
+moment of the shared machine hits every column); the table gives medians,
+the wire bytes each process sends per call (read from the compiled HLO by
+`qcollect.wire_bytes`), the speedup over ``psum`` and the relative error of
+the sum. Rank 0 writes ``OUT.csv``, ``OUT.md`` and ``OUT.png``.
+
+Run it directly (``--bandwidth none`` for an unshaped loopback network, which
+needs no root), or under your own launcher command; it detects a launched
+process and then only measures::
+
+    python -m qcollect.bench network --out network
+    python -m qcollect.launch --nproc 2 qcollect/bench/network.py --sizes 1,4
+
+``--swap-probe`` times, instead, a swap of the buffer between devices r and
+r + N/2 in one collective-permute and in the pieces `qcollect._ring.permute`
+sends across processes on the CPU backend (Gloo moves one large swap at about
+half the link rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import pathlib
+import subprocess
+import sys
+
+import qcollect.launch
+
+METHODS = ("psum", "ring", "cast-bf16", "qsgd-8", "qsgd-4", "onebit", "adaptive", "pca")
+MIB_VALUES = 1 << 18  # float32 values in one MiB
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m qcollect.bench network",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", type=int, default=4, help="processes (default 4)")
+    p.add_argument("--bandwidth", default="1gbit",
+                   help="link rate per process (tc units) or 'none' for no shaping "
+                        "(default 1gbit; shaping needs root, ip and tc)")
+    p.add_argument("--sizes", default="1,4,16,64",
+                   help="comma-separated buffer sizes in MiB per process (default 1,4,16,64)")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help=f"comma-separated subset of {','.join(METHODS)}")
+    p.add_argument("--repeats", type=int, default=7,
+                   help="timed repetitions per size, medians reported (default 7)")
+    p.add_argument("--swap-probe", action="store_true",
+                   help="instead: time a swap between device r and r + N/2 in one "
+                        "collective-permute and in qcollect's pieces (writes OUT.md)")
+    p.add_argument("--out", default="network",
+                   help="output path without suffix: OUT.csv, OUT.md, OUT.png (default network)")
+    return p
+
+
+def _parse(argv) -> argparse.Namespace:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        args.sizes = [float(s) for s in args.sizes.split(",") if s.strip()]
+    except ValueError:
+        parser.error(f"--sizes must be comma-separated numbers of MiB, got {args.sizes!r}")
+    if not args.sizes or min(args.sizes) <= 0:
+        parser.error("--sizes must be positive numbers of MiB")
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(args.methods) - set(METHODS))
+    if unknown or not args.methods:
+        parser.error(f"--methods must name some of {', '.join(METHODS)}; unknown: {unknown}")
+    if args.repeats < 1:
+        parser.error("--repeats must be a positive integer")
+    if args.nproc < 1:
+        parser.error("--nproc must be a positive integer")
+    return args
+
+
+def launch_command(argv: list[str], nproc: int, bandwidth: str) -> list[str]:
+    """The launcher command line that runs this file with ``argv`` on ``nproc`` processes."""
+    cmd = [sys.executable, "-m", "qcollect.launch", "--nproc", str(nproc)]
+    if bandwidth.lower() != "none":
+        cmd += ["--bandwidth", bandwidth]
+    return cmd + [str(pathlib.Path(__file__).resolve()), *argv]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parse(argv)
+    if not qcollect.launch.is_launched():
+        return subprocess.call(launch_command(argv, args.nproc, args.bandwidth))
+    qcollect.launch.initialize()
+    from qcollect.bench import _network
+
+    if args.swap_probe:
+        text = _network.swap_probe(args.sizes, args.repeats)
+        if text is not None:
+            out = pathlib.Path(args.out).with_suffix(".md")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text + "\n")
+            print(f"wrote {out}", flush=True)
+        return 0
+    rows = _network.measure(args.sizes, args.methods, args.repeats)
+    if rows is not None:  # rank 0
+        write(rows, pathlib.Path(args.out), args.bandwidth)
+    return 0
+
+
+def write(rows: list[dict], out: pathlib.Path, bandwidth: str) -> None:
+    """``out.csv`` (every row), ``out.md`` (the table) and ``out.png`` (time vs size)."""
+    from qcollect.bench import _network
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_suffix(".csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    out.with_suffix(".md").write_text(_network.table(rows) + "\n")
+    written = [out.with_suffix(".csv"), out.with_suffix(".md")]
+    if _network.plot(rows, out.with_suffix(".png"), bandwidth):
+        written.append(out.with_suffix(".png"))
+    print("wrote " + ", ".join(map(str, written)), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""``python -m qcollect.bench network``: a short run on two unshaped processes."""
+
+import csv
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from qcollect.bench import network
+
+_METHODS = "psum,ring,cast-bf16,qsgd-4,onebit,pca"
+
+
+def _bench(*args, timeout=240):
+    return subprocess.run([sys.executable, "-m", "qcollect.bench", "network", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    out = tmp_path_factory.mktemp("network") / "net"
+    run = _bench("--nproc", "2", "--bandwidth", "none", "--sizes", "0.0625,0.25",
+                 "--repeats", "2", "--methods", _METHODS, "--out", str(out))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert out.with_suffix(".png").stat().st_size > 1000
+    assert out.with_suffix(".md").read_text().count("\n") == 2 + 2 * 6
+    with open(out.with_suffix(".csv")) as f:
+        return {(float(r["mib"]), r["method"]): r for r in csv.DictReader(f)}
+
+
+def test_every_size_and_method_is_measured(rows):
+    assert set(rows) == {(mib, m) for mib in (0.0625, 0.25) for m in _METHODS.split(",")}
+    for r in rows.values():
+        assert int(r["processes"]) == 2 and float(r["median_ms"]) > 0
+
+
+def test_uncompressed_methods_are_exact_and_psum_sized(rows):
+    for mib in (0.0625, 0.25):
+        psum = rows[(mib, "psum")]
+        assert float(psum["relative_error"]) == 0.0
+        assert float(rows[(mib, "ring")]["relative_error"]) < 1e-6
+        # Two processes: a ring all-reduce sends the whole buffer once.
+        assert int(psum["wire_bytes"]) == int(rows[(mib, "ring")]["wire_bytes"]) == mib * 2**20
+
+
+def test_compressed_methods_send_fewer_bytes_with_bounded_error(rows):
+    ratio = {m: float(rows[(0.25, m)]["wire_vs_psum"]) for m in _METHODS.split(",")}
+    assert ratio["cast-bf16"] == pytest.approx(2.0)
+    assert ratio["qsgd-4"] > 7.5 and ratio["onebit"] > 15 and ratio["pca"] > 7.5
+    error = {m: float(rows[(0.25, m)]["relative_error"]) for m in _METHODS.split(",")}
+    assert 0 < error["cast-bf16"] < 1e-2
+    assert 0 < error["pca"] < 0.1
+    assert 0 < error["qsgd-4"] < 1 and 0 < error["onebit"] < 1
+
+
+def test_launch_command_runs_this_file_under_the_launcher():
+    cmd = network.launch_command(["--sizes", "1"], 4, "1gbit")
+    assert cmd[1:7] == ["-m", "qcollect.launch", "--nproc", "4", "--bandwidth", "1gbit"]
+    assert cmd[-3:] == [str(pathlib.Path(network.__file__).resolve()), "--sizes", "1"]
+    assert "--bandwidth" not in network.launch_command([], 2, "none")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--methods", "psum,gzip"], "--methods"),
+    (["--sizes", "0"], "--sizes"),
+    (["--sizes", "a,b"], "--sizes"),
+    (["--repeats", "0"], "--repeats"),
+    (["--nproc", "0"], "--nproc"),
+])
+def test_bad_arguments_exit_2_naming_the_argument(args, message):
+    run = _bench(*args, timeout=60)
+    assert run.returncode == 2 and message in run.stderr
+
+
+def test_swap_probe_times_one_swap_and_its_pieces(tmp_path):
+    out = tmp_path / "swap"
+    run = _bench("--nproc", "2", "--bandwidth", "none", "--swap-probe", "--sizes", "2",
+                 "--repeats", "1", "--out", str(out))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    header, rule, row = out.with_suffix(".md").read_text().splitlines()
+    assert "one collective-permute" in header and "pieces" in header
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[0] == "2" and all(float(c) > 0 for c in cells[1:])
