@@ -112,7 +112,7 @@ def _pairwise(chunks, axis_name, compressor, key, n, me, owner_residual):
         received.append(permute(mine(me + t), axis_name, perm))
     # Decode and add one payload at a time: one fused elementwise pass.
     # (Stacking the decodes and summing over axis 0 is a major-axis reduction,
-    # which XLA:CPU runs ~30x slower than the adds.)
+    # which XLA:CPU runs many times slower than the adds.)
     reduced = functools.reduce(
         operator.add, [compressor.decode(p).astype(jnp.float32) for p in received])
     if owner_residual is not None:

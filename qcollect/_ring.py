@@ -52,10 +52,11 @@ def _has_swap(perm) -> bool:
 def _split_swaps(perm) -> bool:
     """Whether large swaps go in pieces: several processes on the CPU backend.
 
-    Measured with Gloo over a shaped 1 Gbit/s link: two processes exchanging
-    16 MiB in one collective-permute take 274 ms, twice the wire time, as if
-    the two directions took turns; in 1 MiB pieces 161 ms, like ``psum``'s
-    144 ms. A ring of three or more devices has no swap and runs at full rate.
+    Gloo moves one large swap at well under the link rate, as if the two
+    directions took turns: ``python -m qcollect.bench network --nproc 2
+    --swap-probe`` over 1 Gbit/s links measured 16 MiB in 250 ms in one
+    collective-permute and 189 ms in 1 MiB pieces (psum: 142 ms; wire time
+    134 ms). A ring of three or more devices has no swap.
     """
     return jax.process_count() > 1 and jax.default_backend() == "cpu" and _has_swap(perm)
 
