@@ -20,7 +20,9 @@ def _buckets(keys, bucket_bytes: int | None, separate: bool) -> dict[str, list[i
 
     Per dtype, leaves fill a bucket until the next one would take it past
     ``bucket_bytes``; a leaf of ``bucket_bytes`` or more gets a bucket of its
-    own. None: one bucket per dtype.
+    own (with ``bucket_bytes=0`` every leaf does, empty ones included), and
+    smaller leaves after it may still join the open bucket. None: one bucket
+    per dtype.
     """
     groups: dict[str, list[int]] = {}
     open_bucket: dict[str, tuple[str, int]] = {}  # dtype -> (name, bytes so far)
@@ -33,6 +35,9 @@ def _buckets(keys, bucket_bytes: int | None, separate: bool) -> dict[str, list[i
             groups.setdefault(dtype.name, []).append(i)
             continue
         size = math.prod(leaf.shape) * dtype.itemsize
+        if size >= bucket_bytes:  # alone: never copied into a concatenation
+            groups[f"{dtype.name}/{i}"] = [i]
+            continue
         name, used = open_bucket.get(dtype.name, (None, 0))
         if name is None or used + size > bucket_bytes:
             name, used = f"{dtype.name}/{i}", 0

@@ -41,7 +41,7 @@ _NARROW_FLOATS = {jnp.dtype(jnp.bfloat16): jnp.uint16, jnp.dtype(jnp.float16): j
 
 
 #: Pieces of a swap between two processes on the CPU backend (see `permute`).
-SWAP_PIECE_BYTES = 1 << 20
+SWAP_PIECE_BYTES = 1 << 18
 
 
 def _has_swap(perm) -> bool:
@@ -53,10 +53,9 @@ def _split_swaps(perm) -> bool:
     """Whether large swaps go in pieces: several processes on the CPU backend.
 
     Gloo moves one large swap at well under the link rate, as if the two
-    directions took turns: ``python -m qcollect.bench network --nproc 2
-    --swap-probe`` over 1 Gbit/s links measured 16 MiB in 250 ms in one
-    collective-permute and 189 ms in 1 MiB pieces (psum: 142 ms; wire time
-    134 ms). A ring of three or more devices has no swap.
+    directions took turns (``python -m qcollect.bench network --nproc 2
+    --swap-probe`` over 1 Gbit/s links: see README); in 256 KiB pieces it
+    keeps up with ``psum``. A ring of three or more devices has no swap.
     """
     return jax.process_count() > 1 and jax.default_backend() == "cpu" and _has_swap(perm)
 
@@ -78,7 +77,7 @@ def permute(x, axis_name, perm):
     XLA:CPU widens bfloat16/float16 collective-permutes to float32, which
     would double their wire bytes; a bit-identical uint16 view travels as is.
     Across processes on the CPU backend, a permutation in which two devices
-    send to each other moves leaves over 1 MiB in 1 MiB pieces (see
+    send to each other moves leaves over 256 KiB in 256 KiB pieces (see
     `_split_swaps`); the bytes on the wire are the same.
     """
     pieces = _split_swaps(perm)

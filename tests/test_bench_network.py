@@ -81,4 +81,6 @@ def test_swap_probe_times_one_swap_and_its_pieces(tmp_path):
     header, rule, row = out.with_suffix(".md").read_text().splitlines()
     assert "one collective-permute" in header and "pieces" in header
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[0] == "2" and all(float(c) > 0 for c in cells[1:])
+    assert cells[0] == "2" and all(float(c) > 0 for c in cells[1:4])
+    # Across processes the 2 MiB swap goes in 256 KiB pieces: 8 collective-permutes.
+    assert cells[4] == "1 / 8"

@@ -23,10 +23,22 @@ def _members(buffers):
 
 def test_buckets_cap_small_leaves_and_leave_large_ones_alone():
     # Tree order is a, b, c, d, h. With an 8 KiB cap: a (4 KiB) opens a bucket;
-    # b (40 KiB) passes the cap and goes alone; c and d share the next one.
+    # b (40 KiB) goes alone; c (400 B) still fits a's bucket; d (4 KiB) does
+    # not and opens the next one.
     buffers, _ = fuse_by_dtype(_tree(), bucket_bytes=8 << 10)
-    assert _members(buffers) == {"float32/0": 1024, "float32/1": 10000,
-                                 "float32/2": 100 + 1024, "bfloat16/4": 10}
+    assert _members(buffers) == {"float32/0": 1024 + 100, "float32/1": 10000,
+                                 "float32/3": 1024, "bfloat16/4": 10}
+
+
+def test_a_leaf_of_the_cap_goes_alone_even_beside_empty_leaves():
+    tree = [jnp.zeros(0), jnp.ones(1024), jnp.zeros(0), jnp.ones(10), jnp.ones(1024)]
+    buffers, unfuse = fuse_by_dtype(tree, bucket_bytes=4096)
+    # Leaves 1 and 4 are exactly 4 KiB: alone. 0, 2 and 3 share the open bucket.
+    assert _members(buffers) == {"float32/0": 10, "float32/1": 1024, "float32/4": 1024}
+    assert all(buf is leaf for buf, leaf in zip([buffers["float32/1"], buffers["float32/4"]],
+                                                [tree[1], tree[4]], strict=True))
+    back = unfuse(buffers)
+    assert [b.shape for b in back] == [leaf.shape for leaf in tree]
 
 
 def test_no_cap_is_one_buffer_per_dtype_and_separate_is_one_per_leaf():

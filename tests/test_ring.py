@@ -130,3 +130,35 @@ def test_one_process_never_splits_swaps():
     from qcollect._ring import _split_swaps
 
     assert jax.process_count() == 1 and not _split_swaps([(0, 1), (1, 0)])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int8])
+@pytest.mark.parametrize("length", [1, 7, 1001])  # empty leaves go whole
+def test_swaps_in_pieces_move_what_one_ppermute_moves(monkeypatch, dtype, length):
+    from qcollect import _ring
+
+    monkeypatch.setattr(_ring, "SWAP_PIECE_BYTES", 16)
+    monkeypatch.setattr(_ring, "_split_swaps", lambda perm: True)
+    n = 4
+    perm = [(i, (i + 2) % n) for i in range(n)]
+    x = (jnp.arange(n * length).reshape(n, length) % 97).astype(dtype)
+    pieces = per_device(lambda v: _ring.permute(v, "d", perm), n)(x)
+    whole = per_device(lambda v: lax.ppermute(v, "d", perm), n)(x)
+    assert pieces.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(pieces), np.asarray(whole))
+    # 16-byte pieces: several collective-permutes once a row passes 16 bytes.
+    ops = [op for op in qc.wire_report(per_device(lambda v: _ring.permute(v, "d", perm), n), x)
+           if op.op == "collective-permute"]
+    assert len(ops) == max(1, -(-length * jnp.dtype(dtype).itemsize // 16))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_ring_all_gather_of_16_bit_floats_equals_all_gather_at_16_bits(dtype):
+    n = 4
+    x = jax.random.normal(jax.random.key(5), (n, 3, 5)).astype(dtype)
+    ring = per_device(lambda v: qc.ring_all_gather(v, "d"), n)
+    xla = per_device(lambda v: lax.all_gather(v, "d", tiled=True), n)(x)
+    got = ring(x)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(xla, np.float32))
+    assert qc.wire_bytes(ring, x) == (n - 1) * 3 * 5 * 2

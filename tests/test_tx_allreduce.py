@@ -256,6 +256,31 @@ def test_bad_config():
                                         algorithm="tree")
     with pytest.raises(ValueError, match="min_size"):
         transforms.compressed_allreduce(qc.identity(), "d", key=jax.random.key(0), min_size=-1)
+    for bad in (-1, 2.5, "4MiB"):
+        with pytest.raises(ValueError, match="bucket_bytes"):
+            transforms.compressed_allreduce(qc.identity(), "d", key=jax.random.key(0),
+                                            bucket_bytes=bad)
+
+
+@pytest.mark.parametrize("bucket_bytes, rings", [(None, 1), (0, 2)])
+def test_bucket_bytes_decides_the_rings_not_the_update(bucket_bytes, rings):
+    # identity is exact, so every bucketing gives the mean gradient; the rings differ.
+    tx = transforms.compressed_allreduce(qc.identity(), "d", key=jax.random.key(0),
+                                         bucket_bytes=bucket_bytes)
+    params, x, y = _problem()
+    step, mesh = _stepper(tx)
+    sharding = NamedSharding(mesh, P("d"))
+    args = (transforms.replicate(params, mesh, "d"),
+            transforms.replicate(tx.init(params), mesh, "d"), *jax.device_put((x, y), sharding))
+    permutes = sum(op.multiplicity for op in qc.wire_report(step, *args)
+                   if op.op == "collective-permute")
+    assert permutes == rings * 2 * (N - 1)
+    _, _, _, update = step(*args)
+    grads = [jax.grad(_loss)(params, x[i], y[i]) for i in range(N)]
+    want = jax.tree.map(lambda *g: sum(g) / N, *grads)
+    for name in params:
+        np.testing.assert_allclose(np.asarray(update[name])[0], np.asarray(want[name]),
+                                   rtol=1e-5, atol=1e-6)
 
 
 def test_pmap_path():

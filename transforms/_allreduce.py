@@ -109,6 +109,9 @@ def compressed_allreduce(compressor: CompressorSpec, axis_name, *, key: jax.Arra
     """
     if algorithm not in ("auto",) + qc.ALGORITHMS:
         raise ValueError(f"algorithm must be one of {('auto',) + qc.ALGORITHMS}, got {algorithm!r}")
+    if bucket_bytes is not None and (isinstance(bucket_bytes, bool)
+                                     or not isinstance(bucket_bytes, int) or bucket_bytes < 0):
+        raise ValueError(f"bucket_bytes must be None or an integer >= 0, got {bucket_bytes!r}")
     if not isinstance(min_size, int) or min_size < 0:
         raise ValueError(f"min_size must be an integer >= 0, got {min_size!r}")
     pairwise = algorithm == "pairwise"

@@ -47,6 +47,8 @@ def _local_row(x: jax.Array) -> np.ndarray:
 def measure(sizes_mib: list[float], methods: list[str], repeats: int) -> list[dict] | None:
     """Times every method at every size; the rows on process 0, None elsewhere."""
     n = jax.device_count()
+    if n < 2:
+        raise ValueError("the network benchmark needs at least 2 devices, got 1")
     mesh = jax.make_mesh((n,), ("d",))
     rank0 = jax.process_index() == 0
     rows = []
@@ -66,13 +68,11 @@ def measure(sizes_mib: list[float], methods: list[str], repeats: int) -> list[di
         errors = {m: float(np.linalg.norm(_local_row(fn(*a)) - exact) / np.linalg.norm(exact))
                   for m, (fn, a) in calls.items()}
         wire = {m: qc.wire_bytes(fn, *a) for m, (fn, a) in calls.items()}
-        timed = {m: calls[m] for m in methods}
-        seconds = interleaved_medians(timed, repeats)
-        psum_s = seconds.get("psum")
+        seconds = interleaved_medians(calls, repeats)  # psum always, for the speedup
         for m in methods:
             row = {"processes": jax.process_count(), "devices": n, "mib": mib,
                    "values": size, "method": m, "median_ms": 1e3 * seconds[m],
-                   "speedup_vs_psum": psum_s / seconds[m] if psum_s else float("nan"),
+                   "speedup_vs_psum": seconds["psum"] / seconds[m],
                    "wire_bytes": wire[m], "wire_vs_psum": wire["psum"] / wire[m],
                    "relative_error": errors[m]}
             rows.append(row)
@@ -84,7 +84,7 @@ def measure(sizes_mib: list[float], methods: list[str], repeats: int) -> list[di
 def swap_probe(sizes_mib: list[float], repeats: int) -> str | None:
     """Times a swap of the buffer between device r and r + N/2 (N even).
 
-    One ``lax.ppermute`` against qcollect's `permute` (1 MiB pieces across
+    One ``lax.ppermute`` against qcollect's `permute` (256 KiB pieces across
     processes on the CPU backend), with ``psum`` of the same buffer for
     scale. Returns the markdown table on process 0, None elsewhere.
     """
@@ -95,8 +95,9 @@ def swap_probe(sizes_mib: list[float], repeats: int) -> str | None:
         raise ValueError(f"the swap probe needs an even number of devices, got {n}")
     mesh = jax.make_mesh((n,), ("d",))
     perm = [(i, (i + n // 2) % n) for i in range(n)]
-    lines = [f"| MiB / process | one collective-permute ms | {SWAP_PIECE_BYTES >> 20} MiB "
-             "pieces ms | psum ms |", "|---:|---:|---:|---:|"]
+    lines = [f"| MiB / process | one collective-permute ms | {SWAP_PIECE_BYTES >> 10} KiB "
+             "pieces ms | psum ms | collective-permutes (one / pieces) |",
+             "|---:|---:|---:|---:|---:|"]
     for mib in sizes_mib:
         x = _buffers(max(64, int(round(mib * MIB / 4 / 64)) * 64), mesh)
         fns = {"whole": lambda v: lax.ppermute(v, "d", perm),
@@ -106,8 +107,10 @@ def swap_probe(sizes_mib: list[float], repeats: int) -> str | None:
                                            in_specs=P("d"), out_specs=P("d"))), (x,))
                  for k, f in fns.items()}
         t = interleaved_medians(calls, repeats)
+        count = {k: sum(op.multiplicity for op in qc.wire_report(calls[k][0], *calls[k][1])
+                        if op.op == "collective-permute") for k in ("whole", "pieces")}
         lines.append(f"| {mib:g} | {1e3 * t['whole']:.1f} | {1e3 * t['pieces']:.1f} "
-                     f"| {1e3 * t['psum']:.1f} |")
+                     f"| {1e3 * t['psum']:.1f} | {count['whole']} / {count['pieces']} |")
         if jax.process_index() == 0:
             print(lines[-1] if len(lines) > 3 else "\n".join(lines), flush=True)
     return "\n".join(lines) if jax.process_index() == 0 else None
@@ -145,8 +148,8 @@ def plot(rows: list[dict], path, bandwidth: str) -> bool:
     ax.set_yscale("log")
     ax.set_xlabel("float32 buffer per process (MiB)")
     ax.set_ylabel("all-reduce median time (ms)")
-    r0 = rows[0]
-    ax.set_title(f"{r0['processes']} processes, links {bandwidth}")
+    links = "unshaped loopback" if bandwidth.lower() == "none" else f"links {bandwidth}"
+    ax.set_title(f"{rows[0]['processes']} processes, {links}")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()

@@ -9,7 +9,7 @@ and times, for float32 buffers of 1 to 64 MiB per process:
 * ``ring``: qcollect's uncompressed `ring_all_reduce` (``ppermute`` steps);
 * `compressed_all_reduce` with ``cast-bf16`` and ``pca`` (compressed-domain
   ring; PCA of 64-value slices at rank 8, fitted on other draws of the same
-  data) and ``qsgd-8``, ``qsgd-4``, ``onebit`` (buckets of 64) and
+  data) and ``qsgd-8``, ``qsgd-4`` (buckets of 512), ``onebit`` (buckets of 64) and
   ``adaptive`` (Dryden's proportion 64 per bucket of 512: a flat buffer has
   no weight-matrix columns) by pairwise exchange, with one re-quantization at
   the chunk's owner.
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import math
 import pathlib
 import subprocess
 import sys
@@ -55,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m qcollect.bench network",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=4, help="processes (default 4)")
-    p.add_argument("--bandwidth", default="1gbit",
+    p.add_argument("--bandwidth", default=None,
                    help="link rate per process (tc units) or 'none' for no shaping "
                         "(default 1gbit; shaping needs root, ip and tc)")
     p.add_argument("--sizes", default="1,4,16,64",
@@ -76,19 +77,24 @@ def _parse(argv) -> argparse.Namespace:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        args.sizes = [float(s) for s in args.sizes.split(",") if s.strip()]
+        sizes = [float(s) for s in args.sizes.split(",") if s.strip()]
     except ValueError:
         parser.error(f"--sizes must be comma-separated numbers of MiB, got {args.sizes!r}")
-    if not args.sizes or min(args.sizes) <= 0:
-        parser.error("--sizes must be positive numbers of MiB")
-    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not sizes or not all(math.isfinite(s) and s > 0 for s in sizes):
+        parser.error(f"--sizes must be positive, finite numbers of MiB, got {args.sizes!r}")
+    args.sizes = list(dict.fromkeys(sizes))
+    args.methods = list(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip()))
     unknown = sorted(set(args.methods) - set(METHODS))
     if unknown or not args.methods:
         parser.error(f"--methods must name some of {', '.join(METHODS)}; unknown: {unknown}")
     if args.repeats < 1:
         parser.error("--repeats must be a positive integer")
-    if args.nproc < 1:
-        parser.error("--nproc must be a positive integer")
+    if args.nproc < 2:
+        parser.error(f"--nproc must be at least 2 (processes that talk over the network), "
+                     f"got {args.nproc}")
+    if args.swap_probe and args.nproc % 2:
+        parser.error(f"--swap-probe pairs device r with r + N/2: --nproc must be even, "
+                     f"got {args.nproc}")
     return args
 
 
@@ -104,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parse(argv)
     if not qcollect.launch.is_launched():
-        return subprocess.call(launch_command(argv, args.nproc, args.bandwidth))
+        bandwidth = args.bandwidth or "1gbit"
+        return subprocess.call(launch_command(argv + ["--bandwidth", bandwidth],
+                                              args.nproc, bandwidth))
     qcollect.launch.initialize()
     from qcollect.bench import _network
 
@@ -122,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def write(rows: list[dict], out: pathlib.Path, bandwidth: str) -> None:
+def write(rows: list[dict], out: pathlib.Path, bandwidth: str | None) -> None:
     """``out.csv`` (every row), ``out.md`` (the table) and ``out.png`` (time vs size)."""
     from qcollect.bench import _network
 
@@ -133,7 +141,7 @@ def write(rows: list[dict], out: pathlib.Path, bandwidth: str) -> None:
         writer.writerows(rows)
     out.with_suffix(".md").write_text(_network.table(rows) + "\n")
     written = [out.with_suffix(".csv"), out.with_suffix(".md")]
-    if _network.plot(rows, out.with_suffix(".png"), bandwidth):
+    if _network.plot(rows, out.with_suffix(".png"), bandwidth or "of unknown rate"):
         written.append(out.with_suffix(".png"))
     print("wrote " + ", ".join(map(str, written)), flush=True)
 
