@@ -15,7 +15,7 @@ from qcollect._config import check_int
 BUCKET_BYTES = 4 << 20
 
 
-def _buckets(keys, bucket_bytes: int | None, separate: bool) -> dict[str, list[int]]:
+def _buckets(keys, bucket_bytes: int | None) -> dict[str, list[int]]:
     """Leaf indices per buffer name, leaves in tree order.
 
     Per dtype, leaves fill a bucket until the next one would take it past
@@ -28,9 +28,6 @@ def _buckets(keys, bucket_bytes: int | None, separate: bool) -> dict[str, list[i
     open_bucket: dict[str, tuple[str, int]] = {}  # dtype -> (name, bytes so far)
     for i, leaf in enumerate(keys):
         dtype = jnp.dtype(leaf.dtype)
-        if separate:
-            groups[f"{dtype.name}/{i}"] = [i]
-            continue
         if bucket_bytes is None:
             groups.setdefault(dtype.name, []).append(i)
             continue
@@ -57,7 +54,7 @@ def fuse_by_dtype(tree, group_like=None, *, separate: bool = False,
       group_like: optional pytree of the same structure whose leaves decide
         the grouping (dtype and bytes), so a float32 residual of a bfloat16
         tree fuses into buffers keyed and ordered like the tree's own.
-      separate: one buffer per leaf instead.
+      separate: one buffer per leaf instead (``bucket_bytes=0``).
       bucket_bytes: cap of one buffer (see `BUCKET_BYTES`); None: one buffer
         per dtype.
 
@@ -71,7 +68,7 @@ def fuse_by_dtype(tree, group_like=None, *, separate: bool = False,
     leaves, treedef = jax.tree.flatten(tree)
     leaves = [jnp.asarray(leaf) for leaf in leaves]
     keys = leaves if group_like is None else [jnp.asarray(k) for k in jax.tree.leaves(group_like)]
-    groups = _buckets(keys, bucket_bytes, separate)
+    groups = _buckets(keys, 0 if separate else bucket_bytes)
     buffers = {}
     for name, members in groups.items():
         parts = [leaves[i].reshape(-1) for i in members]

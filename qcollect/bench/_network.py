@@ -40,6 +40,17 @@ def _buffers(size: int, mesh) -> jax.Array:
     return jax.make_array_from_process_local_data(NamedSharding(mesh, P("d")), np.asarray(local))
 
 
+def _values(mib: float) -> int:
+    """float32 values in ``mib`` MiB, a multiple of 64 (PCA's slices), at least 64."""
+    return max(64, int(round(mib * MIB / 4 / 64)) * 64)
+
+
+def _mapped(fn, mesh):
+    """``jit(shard_map)`` of a per-device ``fn`` over rows of a ``P("d")`` array."""
+    return jax.jit(jax.shard_map(lambda v: fn(v[0])[None], mesh=mesh,
+                                 in_specs=P("d"), out_specs=P("d")))
+
+
 def _local_row(x: jax.Array) -> np.ndarray:
     return np.asarray(x.addressable_shards[0].data, np.float64)[0]
 
@@ -57,13 +68,10 @@ def measure(sizes_mib: list[float], methods: list[str], repeats: int) -> list[di
               "interleaved runs", flush=True)
         print(table_header(), flush=True)
     for mib in sizes_mib:
-        size = max(64, int(round(mib * MIB / 4 / 64)) * 64)
+        size = _values(mib)
         x = _buffers(size, mesh)
-        calls = {}
-        for m in ["psum"] + [m for m in methods if m != "psum"]:
-            fn = _reducer(m, size, n)
-            calls[m] = (jax.jit(jax.shard_map(lambda v, fn=fn: fn(v[0])[None], mesh=mesh,
-                                              in_specs=P("d"), out_specs=P("d"))), (x,))
+        calls = {m: (_mapped(_reducer(m, size, n), mesh), (x,))
+                 for m in ["psum"] + [m for m in methods if m != "psum"]}
         exact = _local_row(calls["psum"][0](x))
         errors = {m: float(np.linalg.norm(_local_row(fn(*a)) - exact) / np.linalg.norm(exact))
                   for m, (fn, a) in calls.items()}
@@ -99,13 +107,11 @@ def swap_probe(sizes_mib: list[float], repeats: int) -> str | None:
              "pieces ms | psum ms | collective-permutes (one / pieces) |",
              "|---:|---:|---:|---:|---:|"]
     for mib in sizes_mib:
-        x = _buffers(max(64, int(round(mib * MIB / 4 / 64)) * 64), mesh)
+        x = _buffers(_values(mib), mesh)
         fns = {"whole": lambda v: lax.ppermute(v, "d", perm),
                "pieces": lambda v: permute(v, "d", perm),
                "psum": lambda v: lax.psum(v, "d")}
-        calls = {k: (jax.jit(jax.shard_map(lambda v, f=f: f(v[0])[None], mesh=mesh,
-                                           in_specs=P("d"), out_specs=P("d"))), (x,))
-                 for k, f in fns.items()}
+        calls = {k: (_mapped(f, mesh), (x,)) for k, f in fns.items()}
         t = interleaved_medians(calls, repeats)
         count = {k: sum(op.multiplicity for op in qc.wire_report(calls[k][0], *calls[k][1])
                         if op.op == "collective-permute") for k in ("whole", "pieces")}

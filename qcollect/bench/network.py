@@ -49,7 +49,6 @@ import sys
 import qcollect.launch
 
 METHODS = ("psum", "ring", "cast-bf16", "qsgd-8", "qsgd-4", "onebit", "adaptive", "pca")
-MIB_VALUES = 1 << 18  # float32 values in one MiB
 
 
 def _parser() -> argparse.ArgumentParser:
