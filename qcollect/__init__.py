@@ -18,7 +18,8 @@ from qcollect._adaptive import adaptive
 from qcollect._baseline import cast, identity
 from qcollect._compressed import ALGORITHMS, AllReduceResult, compressed_all_reduce
 from qcollect._entropy import EntropyCompressor, EntropyPlan, entropy
-from qcollect._fusion import BUCKET_BYTES
+from qcollect._groups import matrix_view
+from qcollect._layout import BUCKET_BYTES
 from qcollect._onebit import onebit
 from qcollect._packing import pack_bits, packed_words, unpack_bits
 from qcollect._payload import Compressor, Payload, payload_bytes
@@ -63,6 +64,7 @@ __all__ = [
     "compressed_all_reduce",
     "entropy",
     "identity",
+    "matrix_view",
     "onebit",
     "orthogonalize",
     "pack_bits",

@@ -15,7 +15,15 @@ from jax import lax
 
 from qcollect._config import check_choice, check_float, check_floating_input, check_int, require_key
 from qcollect._golomb import check_coding, decode_entries, encode_entries
-from qcollect._groups import Groups, bucket_groups, column_groups, sample_within_groups, to_view
+from qcollect._groups import (
+    Groups,
+    bucket_groups,
+    column_groups,
+    padding_mask,
+    sample_within_groups,
+    to_view,
+    with_valid,
+)
 from qcollect._packing import pack_bits
 from qcollect._payload import Compressor, Payload, check_format
 from qcollect._sparse import (
@@ -100,8 +108,9 @@ def adaptive(proportion: float = 64.0, *, sample: int | None = None, grouping: s
         (the paper's benchmark uses 64).
       sample: None for exact thresholds and means, or ``m >= 1`` sampled
         entries per group (needs a key; the compressor is then stochastic).
-      grouping: ``"column"`` (default, as the paper: first dimension = rows,
-        the rest flattened into columns) or ``"bucket"``.
+      grouping: ``"column"`` (default, as the paper: the columns of
+        `qcollect.matrix_view`, i.e. one output unit's weights of a Flax
+        kernel) or ``"bucket"``.
       bucket_size: values per bucket, >= 1; used by ``grouping="bucket"``.
       capacity_scale: float >= 1, slots per group relative to
         ``ceil(c_g / pi)`` (see above); None: 1.0 exact, 1.25 sampled.
@@ -141,7 +150,7 @@ def adaptive(proportion: float = 64.0, *, sample: int | None = None, grouping: s
         slots = np.ceil(scale * per_side).astype(np.int64) + 1
         return int(np.minimum(groups.counts, slots).sum())
 
-    def encode(x, key=None):
+    def encode(x, key=None, *, valid=None):
         x = jnp.asarray(x)
         check_floating_input(x)
         check_size(x.size)
@@ -149,11 +158,15 @@ def adaptive(proportion: float = 64.0, *, sample: int | None = None, grouping: s
             require_key(key, "adaptive(sample=...)")
         groups = groups_for(x.shape)
         cap = capacity_for(groups)
+        groups = with_valid(groups, valid)
         flat = jnp.ravel(x).astype(jnp.float32)
         mag = magnitude_keys(flat)
         # Signed keys: +key for v >= 0, -key for v < 0, 0 for NaN and padding.
         skeys = jnp.where(flat < 0, -mag, jnp.where(flat >= 0, mag, 0))
         kview = _int_view(skeys, groups)
+        real = padding_mask(groups)
+        if real is not None:  # zero padding marked by `valid` is never a candidate
+            kview = jnp.where(real, kview, 0)
         if sample is None:
             sides = jnp.stack([jnp.maximum(kview, 0), jnp.maximum(-kview, 0)])
             mask, means = _exact(sides, groups, pi, x)
@@ -189,7 +202,8 @@ def adaptive(proportion: float = 64.0, *, sample: int | None = None, grouping: s
         return flat.reshape(payload.shape).astype(payload.dtype)
 
     return Compressor(name, encode, decode, linear=False, stochastic=sample is not None,
-                      block=bucket_size if grouping == "bucket" else 1)
+                      block=bucket_size if grouping == "bucket" else 1, grouping=grouping,
+                      masks_padding=True)
 
 
 def _int_view(keys: jax.Array, groups: Groups) -> jax.Array:

@@ -1,7 +1,10 @@
 """Compressed all-reduce: three algorithms from the seed papers.
 
-All three cut the (fused, flattened) buffer into N chunks, one per device of
-``axis_name``, and differ in where encoding and decoding happen:
+All three lay the leaves out into segments of whole compressor groups and cut
+each segment into N chunks of whole groups, one per device of ``axis_name``
+(`qcollect._layout`: no bucket, column or entropy range ever spans two leaves
+or two devices, so every leaf is coded as the paper codes one layer), and
+differ in where encoding and decoding happen:
 
 ``"ring"`` -- compressed-domain ring (Yu et al., GradiVeQ, Algorithm 1 and
   eq. 1). For linear compressors only. Every device encodes its own chunks;
@@ -42,15 +45,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from qcollect._config import check_choice
-from qcollect._fusion import BUCKET_BYTES, fuse_by_dtype
+from qcollect._layout import BUCKET_BYTES, Segment, plan_segments
 from qcollect._payload import Compressor
 from qcollect._ring import (
     as_varying,
-    chunk_rows,
     permute,
     ring_all_gather,
     shift_right,
-    split_chunks,
     take_chunk,
 )
 
@@ -77,19 +78,80 @@ class AllReduceResult(NamedTuple):
     owner_error: Any
 
 
-def _vmap_codec(compressor: Compressor):
-    encode = jax.vmap(compressor.encode)
-    decode = jax.vmap(compressor.decode)
-    return encode, decode
+class _Chunks(NamedTuple):
+    """One segment's values on this device, laid out for its ``n`` chunks.
+
+    ``data`` is `Segment.laid_out`: the chunks stacked for a row segment, the
+    side-by-side ``(rows, n c)`` matrix for a column segment, whose chunks are
+    strided column blocks read by `take` (no copy of the whole segment).
+    """
+
+    data: jax.Array
+    segment: Segment
+
+    @property
+    def n(self) -> int:
+        return self.segment.n
+
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape of the stacked chunks, ``(n, *chunk_shape)``."""
+        return (self.n,) + self.segment.chunk_shape
+
+    def take(self, j) -> jax.Array:
+        return self.segment.take(self.data, j)
+
+    def stacked(self) -> jax.Array:
+        if self.segment.columns:
+            return self.data.reshape(self.segment.unit, self.n, -1).transpose(1, 0, 2)
+        return self.data
+
+
+class _Codec(NamedTuple):
+    """A compressor bound to one segment: encode chunk ``j`` with its valid counts."""
+
+    compressor: Compressor
+    valid: jax.Array | None
+
+    def encode(self, chunk, key, j):
+        if self.valid is None:
+            return self.compressor.encode(chunk, key)
+        valid = take_chunk(self.valid, j)
+        # Padding must be zero, as `Compressor.masks_padding` promises: a sum
+        # of decodes (the owner's, a ring hop's) holds whatever the decoder
+        # put there (1-bit decodes a padding zero to its group's mean).
+        rows = chunk.reshape(valid.shape[0], -1)
+        real = jnp.arange(rows.shape[1], dtype=jnp.int32)[None, :] < valid[:, None]
+        chunk = jnp.where(real, rows, jnp.zeros((), chunk.dtype)).reshape(chunk.shape)
+        return self.compressor.encode(chunk, key, valid=valid)
+
+    def encode_all(self, chunks: _Chunks, keys):
+        """Payloads of all ``n`` chunks, stacked. Contiguous chunks are
+        vmapped; column blocks are encoded one after the other straight from
+        the side-by-side matrix (XLA:CPU runs a vmapped column codec over a
+        transposed copy several times slower than the loop)."""
+        index = jnp.arange(chunks.n)
+        if not chunks.segment.columns:
+            return jax.vmap(self.encode)(chunks.data, keys, index)
+        return lax.map(lambda j: self.encode(chunks.take(j), keys[j], j), index)
+
+    def decode(self, payload):
+        return self.compressor.decode(payload)
+
+    def decode_all(self, payloads):
+        return jax.vmap(self.compressor.decode)(payloads)
 
 
 def _chunk_keys(key, n: int):
     return jax.vmap(lambda j: jax.random.fold_in(key, j))(jnp.arange(n))
 
 
-def _ring_compressed(chunks, axis_name, compressor, key, n, me):
-    encode, decode = _vmap_codec(compressor)
-    payloads = encode(chunks, _chunk_keys(key, n))
+def _ring_compressed(chunks, axis_name, codec, key, n, me):
+    payloads = codec.encode_all(chunks, _chunk_keys(key, n))
     own = lambda j: jax.tree.map(lambda leaf: take_chunk(leaf, j), payloads)  # noqa: E731
 
     def step(s, acc):
@@ -98,12 +160,11 @@ def _ring_compressed(chunks, axis_name, compressor, key, n, me):
 
     reduced = lax.fori_loop(0, n - 1, step, as_varying(own(me - 1), axis_name))
     gathered = jax.tree.map(lambda leaf: ring_all_gather(leaf[None], axis_name), reduced)
-    return decode(gathered), decode(payloads), None
+    return codec.decode_all(gathered), codec.decode_all(payloads), None
 
 
-def _pairwise(chunks, axis_name, compressor, key, n, me, owner_residual):
-    encode, decode = _vmap_codec(compressor)
-    payloads = encode(chunks, _chunk_keys(key, n))
+def _pairwise(chunks, axis_name, codec, key, n, me, owner_residual):
+    payloads = codec.encode_all(chunks, _chunk_keys(key, n))
     mine = lambda j: jax.tree.map(lambda leaf: take_chunk(leaf, j), payloads)  # noqa: E731
     # received[t] comes from device me - t and encodes chunk `me`.
     received = [mine(me)]
@@ -114,72 +175,52 @@ def _pairwise(chunks, axis_name, compressor, key, n, me, owner_residual):
     # (Stacking the decodes and summing over axis 0 is a major-axis reduction,
     # which XLA:CPU runs many times slower than the adds.)
     reduced = functools.reduce(
-        operator.add, [compressor.decode(p).astype(jnp.float32) for p in received])
+        operator.add, [codec.decode(p).astype(jnp.float32) for p in received])
     if owner_residual is not None:
-        reduced = reduced + take_chunk(owner_residual, me).astype(jnp.float32)
-    requantized = compressor.encode(reduced.astype(chunks.dtype),
-                                    jax.random.fold_in(key, n))
-    error = reduced - compressor.decode(requantized).astype(jnp.float32)
+        reduced = reduced + owner_residual.take(me).astype(jnp.float32)
+    requantized = codec.encode(reduced.astype(chunks.dtype), jax.random.fold_in(key, n), me)
+    error = reduced - codec.decode(requantized).astype(jnp.float32)
     gathered = jax.tree.map(lambda leaf: ring_all_gather(leaf[None], axis_name), requantized)
     owner_error = lax.dynamic_update_index_in_dim(
         jnp.zeros(chunks.shape, jnp.float32), error, me, 0)
-    return decode(gathered), decode(payloads), owner_error
+    return codec.decode_all(gathered), codec.decode_all(payloads), owner_error
 
 
-def _ring_requantize(chunks, axis_name, compressor, key, n, me):
-    encode_one = compressor.encode
-    first = encode_one(take_chunk(chunks, me - 1), jax.random.fold_in(key, 0))
+def _ring_requantize(chunks, axis_name, codec, key, n, me):
+    first = codec.encode(chunks.take(me - 1), jax.random.fold_in(key, 0), me - 1)
     contributed = lax.dynamic_update_index_in_dim(
-        chunks, compressor.decode(first).astype(chunks.dtype), (me - 1) % n, 0)
+        chunks.stacked(), codec.decode(first).astype(chunks.dtype), (me - 1) % n, 0)
 
     def step(s, payload):
         received = shift_right(payload, axis_name, n)
-        partial = (compressor.decode(received).astype(jnp.float32)
-                   + take_chunk(chunks, me - s - 2).astype(jnp.float32))
+        j = me - s - 2
+        partial = (codec.decode(received).astype(jnp.float32)
+                   + chunks.take(j).astype(jnp.float32))
         # Constant payload leaves (e.g. PCA's weight) must stay varying like the carry.
-        return as_varying(encode_one(partial.astype(chunks.dtype), jax.random.fold_in(key, s + 1)),
-                          axis_name)
+        return as_varying(codec.encode(partial.astype(chunks.dtype),
+                                       jax.random.fold_in(key, s + 1), j), axis_name)
 
     reduced = lax.fori_loop(0, n - 1, step, as_varying(first, axis_name))
     gathered = jax.tree.map(lambda leaf: ring_all_gather(leaf[None], axis_name), reduced)
-    return jax.vmap(compressor.decode)(gathered), contributed, None
+    return codec.decode_all(gathered), contributed, None
 
 
-def chunk_length(size: int, n: int, compressor: Compressor) -> int:
-    """Values per device chunk of a ``size``-value buffer on ``n`` devices.
-
-    ``ceil(size / n)`` rounded up to the compressor's block (bucket, slice), so
-    chunks group values as one encoding of the whole buffer would; a block
-    larger than a device's share is ignored rather than padded to.
-    """
-    share = -(-size // n)
-    block = compressor.block if compressor.block <= share else 1
-    return chunk_rows(size, n, block)
-
-
-def _reduce_flat(flat, axis_name, compressor, key, algorithm, owner_residual):
-    n = int(lax.axis_size(axis_name))
-    size = flat.shape[0]
-    if size == 0 or n == 1:
-        payload = compressor.encode(flat, key)
-        decoded = compressor.decode(payload)
-        owner_error = jnp.zeros(flat.shape, jnp.float32) if algorithm == "pairwise" else None
+def _reduce_segment(chunks: _Chunks, axis_name, codec, key, algorithm, owner_residual):
+    """One segment's chunks -> (value, contributed, owner_error), each stacked
+    ``(n, *chunk_shape)``."""
+    n = chunks.n
+    if n == 1:
+        payload = codec.encode(chunks.take(0), key, 0)
+        decoded = codec.decode(payload)[None]
+        owner_error = jnp.zeros(chunks.shape, jnp.float32) if algorithm == "pairwise" else None
         return decoded, decoded, owner_error
     me = lax.axis_index(axis_name)
-    rows = chunk_length(size, n, compressor)
-    chunks = split_chunks(as_varying(flat, axis_name), n, rows)
+    chunks = chunks._replace(data=as_varying(chunks.data, axis_name))
     if algorithm == "ring":
-        value, contributed, owner_error = _ring_compressed(
-            chunks, axis_name, compressor, key, n, me)
-    elif algorithm == "pairwise":
-        residual = None if owner_residual is None else split_chunks(owner_residual, n, rows)
-        value, contributed, owner_error = _pairwise(
-            chunks, axis_name, compressor, key, n, me, residual)
-    else:
-        value, contributed, owner_error = _ring_requantize(
-            chunks, axis_name, compressor, key, n, me)
-    unchunk = lambda c: None if c is None else c.reshape(-1)[:size]  # noqa: E731
-    return unchunk(value), unchunk(contributed), unchunk(owner_error)
+        return _ring_compressed(chunks, axis_name, codec, key, n, me)
+    if algorithm == "pairwise":
+        return _pairwise(chunks, axis_name, codec, key, n, me, owner_residual)
+    return _ring_requantize(chunks, axis_name, codec, key, n, me)
 
 
 def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
@@ -198,14 +239,18 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
         ``"ring_requantize"``, or ``"auto"``: ring for linear compressors,
         else pairwise. See the module docstring.
       mean: divide the sum by the number of devices.
-      fuse: concatenate leaves of one dtype into buffers first (default), so
-        small leaves ride together; with False every leaf is reduced on its
-        own.
-      bucket_bytes: cap of a fused buffer (default 4 MiB, like the buckets of
-        PyTorch DDP): leaves fill a buffer in tree order until the next would
-        pass the cap, and a leaf of ``bucket_bytes`` or more is reduced on its
-        own, so large leaves are not copied into a concatenation. None: one
-        buffer per dtype.
+      fuse: place leaves of one dtype side by side in one segment (default),
+        so small leaves ride together: whole buckets row after row, or for
+        ``grouping="column"`` compressors the columns of leaves with the
+        same number of rows; ``"leaf"``-grouped compressors (entropy, QSGD
+        with one scale per array) never fuse. Fusion never changes a leaf's
+        statistics, only how many collectives run. With False every leaf is
+        reduced on its own.
+      bucket_bytes: cap of a fused segment (default 4 MiB, like the buckets
+        of PyTorch DDP): leaves fill a segment in tree order until the next
+        would pass the cap, and a leaf of ``bucket_bytes`` or more is reduced
+        on its own, so large leaves are not copied into a concatenation.
+        None: no cap.
       owner_residual: ``"pairwise"`` only: the previous step's ``owner_error``
         (same structure as ``x``), added to the owner's reduced chunk before
         re-encoding.
@@ -238,16 +283,31 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
     key = jax.random.fold_in(key, lax.axis_index(axis_name))
     n = int(lax.axis_size(axis_name))
 
-    buffers, unfuse = fuse_by_dtype(x, separate=not fuse, bucket_bytes=bucket_bytes)
-    residuals = (fuse_by_dtype(owner_residual, x, separate=not fuse,
-                               bucket_bytes=bucket_bytes)[0]
-                 if owner_residual is not None else dict.fromkeys(buffers))
-    parts = {name: _reduce_flat(flat, axis_name, compressor, jax.random.fold_in(key, i),
-                                algorithm, residuals[name])
-             for i, (name, flat) in enumerate(buffers.items())}
-    value, contributed, owner = (
-        unfuse({name: part[j] for name, part in parts.items()})
-        if j < 2 or algorithm == "pairwise" else None for j in range(3))
+    leaves, treedef = jax.tree.flatten(x)
+    leaves = [jnp.asarray(leaf) for leaf in leaves]
+    owners = (treedef.flatten_up_to(owner_residual) if owner_residual is not None
+              else None)
+    out = {"value": [None] * len(leaves), "contributed": [None] * len(leaves),
+           "owner": [None] * len(leaves)}
+    segments = plan_segments(leaves, compressor.grouping, compressor.block, n,
+                             fuse=fuse, bucket_bytes=bucket_bytes)
+    for i, seg in enumerate(segments):
+        if seg.length == 0:  # empty leaves
+            for m in seg.members:
+                out["value"][m] = out["contributed"][m] = jnp.zeros_like(leaves[m])
+                out["owner"][m] = jnp.zeros(leaves[m].shape, jnp.float32)
+            continue
+        valid = seg.valid() if compressor.masks_padding else None
+        codec = _Codec(compressor, None if valid is None else jnp.asarray(valid))
+        residual = None if owners is None else _Chunks(seg.laid_out(owners), seg)
+        parts = _reduce_segment(_Chunks(seg.laid_out(leaves), seg), axis_name, codec,
+                                jax.random.fold_in(key, i), algorithm, residual)
+        for name, part in zip(("value", "contributed", "owner"), parts, strict=True):
+            if part is not None:
+                for m, leaf in zip(seg.members, seg.leaves(part), strict=True):
+                    out[name][m] = leaf
+    value, contributed = (treedef.unflatten(out[k]) for k in ("value", "contributed"))
+    owner = treedef.unflatten(out["owner"]) if algorithm == "pairwise" else None
     if mean:
         value = jax.tree.map(lambda v: (v / n).astype(v.dtype), value)
     return AllReduceResult(value, contributed, owner)

@@ -48,15 +48,16 @@ class EntropyCompressor(Compressor):
     Its ``encode(x, key=None, *, plan=None)`` also takes a static plan.
 
     Methods:
-      plan(x, key=None) -> EntropyPlan of int32 arrays; jittable and vmappable.
+      plan(x, key=None, *, valid=None) -> EntropyPlan of int32 arrays;
+        jittable and vmappable.
       with_plan(plan) -> Compressor whose encode uses the plan's static sizes
         (deterministic; the same plan returns the same, cached, object).
     """
 
     __slots__ = ()
 
-    def plan(self, x, key=None) -> EntropyPlan:
-        return self.encode.__self__.plan(x, key)
+    def plan(self, x, key=None, *, valid=None) -> EntropyPlan:
+        return self.encode.__self__.plan(x, key, valid=valid)
 
     def with_plan(self, plan) -> Compressor:
         return self.encode.__self__.with_plan(plan)
@@ -131,6 +132,13 @@ def entropy(*, sample_fraction: float = 0.03, prelim_bits: int = 4, floor: int =
     1M values decode in about 5-25 ms (block sizes 256 to 4096, and about
     the same for one block: XLA runs the scan loop tightly on CPU).
 
+    Groups: the whole array is one group (Oland & Raj code each weight
+    matrix on its own). In `qcollect.compressed_all_reduce` a leaf is never
+    fused with another; each device codes its equal share of the leaf with
+    its own range, bit-width and Huffman code (``valid``, one count, keeps
+    the zero padding of the last share out of the range and the entropy
+    sample; padding values are still coded, clipped into the range).
+
     Non-finite inputs make ``w_min``/``w_max`` non-finite, so every decoded
     value is non-finite. Arrays of fewer than 2**32 / 15 values (bit offsets
     are uint32). The entropy sample is drawn with replacement from a
@@ -174,7 +182,7 @@ def entropy(*, sample_fraction: float = 0.03, prelim_bits: int = 4, floor: int =
     block_size = check_int("block_size", block_size, low=1, allow_none=True)
     codec = _Codec(sample_fraction, prelim_bits, floor, ceiling, huffman, block_size)
     return EntropyCompressor(codec.name, codec.encode, codec.decode, linear=False,
-                             stochastic=codec.stochastic)
+                             stochastic=codec.stochastic, grouping="leaf", masks_padding=True)
 
 
 def _flat(x) -> jax.Array:
@@ -185,10 +193,28 @@ def _flat(x) -> jax.Array:
     return x.reshape(-1).astype(jnp.float32)
 
 
-def _extremes(flat):
+def _real_count(valid):
+    """The real count of a ``valid`` array of one group (None: all real)."""
+    if valid is None:
+        return None
+    valid = jnp.asarray(valid, jnp.int32).reshape(-1)
+    if valid.shape != (1,):
+        raise ValueError(f"entropy() codes an array as one group: valid must hold one "
+                         f"count, got shape {valid.shape}")
+    return valid[0]
+
+
+def _extremes(flat, real=None):
+    """``w_min, w_max`` of the real values (the first ``real``; 0, 0 if none)."""
     if flat.shape[0] == 0:
         return jnp.float32(0.0), jnp.float32(0.0)
-    return jnp.min(flat), jnp.max(flat)
+    if real is None:
+        return jnp.min(flat), jnp.max(flat)
+    inside = jnp.arange(flat.shape[0]) < real
+    w_min = jnp.min(jnp.where(inside, flat, jnp.inf))
+    w_max = jnp.max(jnp.where(inside, flat, -jnp.inf))
+    none = real <= 0
+    return jnp.where(none, 0.0, w_min), jnp.where(none, 0.0, w_max)
 
 
 def _quantize(values, w_min, w_max, bits):
@@ -201,12 +227,15 @@ def _quantize(values, w_min, w_max, bits):
     return jnp.minimum(jnp.floor(t).astype(jnp.uint32), levels - 1)
 
 
-def sample_indices(key, n: int, fraction: float) -> jax.Array:
-    """Indices of the entropy sample: ``ceil(F n)`` uniform draws with replacement."""
+def sample_indices(key, n: int, fraction: float, real=None) -> jax.Array:
+    """Indices of the entropy sample: ``ceil(F n)`` uniform draws with
+    replacement, from the first ``real`` values when given (traced)."""
     m = min(n, math.ceil(fraction * n))
     if fraction >= 1.0 or m == 0:
-        return jnp.arange(n, dtype=jnp.uint32)
-    return hash_bits(key, (m,)) % jnp.uint32(n)
+        index = jnp.arange(n, dtype=jnp.uint32)
+        return index if real is None else index % jnp.maximum(real, 1).astype(jnp.uint32)
+    bound = jnp.uint32(n) if real is None else jnp.maximum(real, 1).astype(jnp.uint32)
+    return hash_bits(key, (m,)) % bound
 
 
 def _entropy_bits(codes, bins: int):
@@ -239,11 +268,11 @@ class _Codec:
         return self.block or max(n, 1)
 
     # -- analysis shared by plan and encode ---------------------------------
-    def _bits(self, flat, w_min, w_max, key):
+    def _bits(self, flat, w_min, w_max, key, real=None):
         """Algorithm 1, lines 4-5: ``N = clip(ceil(H + c))``, int32 scalar."""
         if self.stochastic:
             require_key(key, "entropy(sample_fraction < 1)")
-        picks = flat[sample_indices(key, flat.shape[0], self.fraction)]
+        picks = flat[sample_indices(key, flat.shape[0], self.fraction, real)]
         h = _entropy_bits(_quantize(picks, w_min, w_max, self.prelim), 2**self.prelim)
         n_bits = jnp.ceil(h + (self.floor - ROUND_TOL)).astype(jnp.int32)
         return jnp.clip(n_bits, self.floor, self.ceiling)
@@ -252,10 +281,11 @@ class _Codec:
         lengths = hf.code_lengths(jnp.bincount(q, length=symbols))
         return lengths, hf.canonical_codes(lengths)
 
-    def plan(self, x, key=None) -> EntropyPlan:
+    def plan(self, x, key=None, *, valid=None) -> EntropyPlan:
         flat = _flat(x)
-        w_min, w_max = _extremes(flat)
-        n_bits = self._bits(flat, w_min, w_max, key)
+        real = _real_count(valid)
+        w_min, w_max = _extremes(flat, real)
+        n_bits = self._bits(flat, w_min, w_max, key, real)
         n = flat.shape[0]
         if self.huffman:
             q = _quantize(flat, w_min, w_max, n_bits)
@@ -267,22 +297,25 @@ class _Codec:
         return EntropyPlan(n_bits, words)
 
     # -- encode / decode ----------------------------------------------------
-    def encode(self, x, key=None, *, plan: EntropyPlan | None = None) -> Payload:
+    def encode(self, x, key=None, *, plan: EntropyPlan | None = None,
+               valid=None) -> Payload:
         if plan is not None:
-            return self.with_plan(plan).encode(x, key)
+            return self.with_plan(plan).encode(x, key, valid=valid)
         flat = _flat(x)
-        w_min, w_max = _extremes(flat)
-        n_bits = self._bits(flat, w_min, w_max, key)
+        real = _real_count(valid)
+        w_min, w_max = _extremes(flat, real)
+        n_bits = self._bits(flat, w_min, w_max, key, real)
         words = packed_words(flat.shape[0] * self.ceiling, 1, jnp.uint32)
         return self._pack(x, flat, w_min, w_max, n_bits, 2**self.ceiling, words)
 
     def _make_planned(self, bits: int, words: int) -> Compressor:
-        def encode(x, key=None):
+        def encode(x, key=None, *, valid=None):
             flat = _flat(x)
-            w_min, w_max = _extremes(flat)
+            w_min, w_max = _extremes(flat, _real_count(valid))
             return self._pack(x, flat, w_min, w_max, jnp.int32(bits), 2**bits, words)
 
-        return Compressor(self.name, encode, self.decode, linear=False, stochastic=False)
+        return Compressor(self.name, encode, self.decode, linear=False, stochastic=False,
+                          grouping="leaf", masks_padding=True)
 
     def _pack(self, x, flat, w_min, w_max, n_bits, symbols, words) -> Payload:
         q = _quantize(flat, w_min, w_max, n_bits)

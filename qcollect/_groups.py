@@ -7,9 +7,15 @@ Two layouts, both static in shape:
   ``bucket_size`` consecutive values; the last one is zero-padded. Reductions
   run along axis 1 of a ``(num_buckets, bucket_size)`` view.
 * columns (CNTK 1bitSGD, seed 001 section 3.2.1; Dryden et al. section 3.1):
-  the first dimension is the row and the others are flattened into columns,
-  so a ``(rows, cols)`` view is reduced along axis 0 with no transpose.
-  A vector is one column; a scalar is a 1x1 matrix.
+  the last dimension indexes the columns and the others are flattened into
+  rows (`matrix_view`), so a ``(rows, cols)`` view is reduced along axis 0
+  with no transpose. For a Flax ``Dense`` kernel ``(in, out)`` and a conv
+  kernel ``(kh, kw, in, out)`` a column holds all the weights into one output
+  unit. A vector is one column; a scalar is a 1x1 matrix.
+
+Counts of real values per group are static (numpy) for a whole array, or an
+int32 array when a collective passes ``valid`` counts (a leaf's last bucket
+and padding chunks hold zero padding after their real values).
 """
 
 from __future__ import annotations
@@ -31,13 +37,14 @@ class Groups(NamedTuple):
       view: shape of the 2-D view that holds the (padded) values.
       axis: the axis of ``view`` that is reduced within a group.
       size: number of real values.
-      counts: numpy int array, real values per group (padding excluded).
+      counts: real values per group (padding excluded): a numpy int array,
+        or an int32 array from `with_valid`.
     """
 
     view: tuple[int, int]
     axis: int
     size: int
-    counts: np.ndarray
+    counts: np.ndarray | jax.Array
 
     @property
     def num_groups(self) -> int:
@@ -63,12 +70,50 @@ def bucket_groups(shape: tuple[int, ...], bucket_size: int | None) -> Groups:
     return Groups(view=(num, length), axis=1, size=size, counts=counts)
 
 
+def matrix_view(shape: tuple[int, ...]) -> tuple[int, int]:
+    """``(rows, cols)`` of an array's matrix view: the last axis is the columns.
+
+    A vector is one column, a scalar a 1x1 matrix; higher ranks flatten every
+    axis but the last into rows (channels-last, as Flax lays out kernels).
+    The same view is PowerSGD's default (`qcollect.powersgd_matrix_shape`).
+
+    Example:
+      >>> matrix_view((3, 3, 16, 32)), matrix_view((10,)), matrix_view(())
+      ((144, 32), (10, 1), (1, 1))
+    """
+    if len(shape) == 0:
+        return 1, 1
+    if len(shape) == 1:
+        return shape[0], 1
+    return math.prod(shape[:-1]), shape[-1]
+
+
 def column_groups(shape: tuple[int, ...]) -> Groups:
-    """CNTK columns: rows = ``shape[0]``, columns = the other dims flattened."""
-    rows = shape[0] if len(shape) else 1
-    cols = math.prod(shape[1:]) if len(shape) else 1
+    """CNTK columns of `matrix_view`: one group per column."""
+    rows, cols = matrix_view(shape)
     return Groups(view=(rows, cols), axis=0, size=rows * cols,
                   counts=np.full(cols, rows, np.int64))
+
+
+def with_valid(groups: Groups, valid) -> Groups:
+    """``groups`` with traced real counts per group (None: unchanged)."""
+    if valid is None:
+        return groups
+    valid = jnp.asarray(valid, jnp.int32).reshape(-1)
+    if valid.shape != (groups.num_groups,):
+        raise ValueError(f"valid must hold one count per group ({groups.num_groups}), "
+                         f"got shape {valid.shape}")
+    return groups._replace(counts=valid)
+
+
+def padding_mask(groups: Groups) -> jax.Array | None:
+    """Bool view, True on real values: None when counts are static (no padding
+    inside the view but the tail, which `to_view` zero-fills)."""
+    if isinstance(groups.counts, np.ndarray):
+        return None
+    length = groups.view[groups.axis]
+    position = jnp.arange(length, dtype=jnp.int32)
+    return jnp.expand_dims(position, 1 - groups.axis) < groups.expand(groups.counts)
 
 
 def to_view(x: jax.Array, groups: Groups) -> jax.Array:
@@ -102,7 +147,7 @@ def sample_within_groups(view: jax.Array, groups: Groups, key, m: int) -> jax.Ar
     """``(num_groups, m)`` entries drawn uniformly, with replacement, per group."""
     if groups.size == 0:
         return jnp.zeros((groups.num_groups, m), jnp.float32)
-    counts = jnp.asarray(np.maximum(groups.counts, 1), jnp.uint32)[:, None]
+    counts = jnp.maximum(jnp.asarray(groups.counts), 1).astype(jnp.uint32)[:, None]
     within = hash_bits(key, (groups.num_groups, m)) % counts
     group = jnp.arange(groups.num_groups, dtype=jnp.uint32)[:, None]
     width = jnp.uint32(view.shape[1])

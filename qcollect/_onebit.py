@@ -9,6 +9,7 @@ section 2.2 (Algorithm 2) and 3.2.1.
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from qcollect._config import check_choice, check_floating_input, check_int, require_key
@@ -20,6 +21,7 @@ from qcollect._groups import (
     sample_within_groups,
     to_view,
     view_codes,
+    with_valid,
 )
 from qcollect._packing import pack_bits, unpack_bits
 from qcollect._payload import Compressor, Payload, check_format
@@ -61,6 +63,10 @@ def onebit(*, grouping: str = "bucket", bucket_size: int = 64,
 
     Payload size: ``4 * ceil(n / 32) + 8 * num_groups`` bytes.
 
+    ``encode(x, key=None, *, valid=None)``: ``valid`` (one int32 count per
+    group, see `Compressor.masks_padding`) marks the trailing zeros of each
+    group as padding, kept out of the counts behind the means.
+
     Example:
       >>> import jax.numpy as jnp, qcollect as qc
       >>> c = qc.onebit(bucket_size=4)
@@ -77,14 +83,18 @@ def onebit(*, grouping: str = "bucket", bucket_size: int = 64,
         return bucket_groups(shape, bucket_size) if grouping == "bucket" else column_groups(shape)
 
     def nonnegative_counts(view, groups, bits):
-        """Non-negatives per group: a popcount of the packed sign words when
-        every bucket is whole uint32 words (padding bits are 0), else a
-        reduction over the view."""
+        """Real non-negatives per group: a popcount of the packed sign words
+        when every bucket is whole uint32 words (the tail's padding bits are
+        0; padding zeros inside the view, as `valid` marks, are 1 and are
+        subtracted), else a reduction over the view."""
         if grouping == "bucket" and bucket_size % 32 == 0:
             words = bucket_size // 32
             bits = jnp.pad(bits, (0, groups.num_groups * words - bits.shape[0]))
             per_word = lax.population_count(bits).reshape(groups.num_groups, words)
-            return jnp.sum(per_word, axis=1, dtype=jnp.int32).astype(jnp.float32)
+            ones = jnp.sum(per_word, axis=1, dtype=jnp.int32)
+            if not isinstance(groups.counts, np.ndarray):
+                ones = ones - (bucket_size - groups.counts)
+            return ones.astype(jnp.float32)
         # Only unary and same-shape binary ops feed reductions: XLA:CPU
         # materialises scalar operands such as (v >= 0) as full arrays.
         # |sign v| - sign v is 2 for negatives and 0 otherwise.
@@ -108,12 +118,12 @@ def onebit(*, grouping: str = "bucket", bucket_size: int = 64,
         poison = jnp.sum(view, axis=groups.axis) * 0.0
         return pos_mean + poison, neg_mean + poison
 
-    def encode(x, key=None):
+    def encode(x, key=None, *, valid=None):
         x = jnp.asarray(x)
         check_floating_input(x)
         if sample is not None:
             require_key(key, "onebit(sample=...)")
-        groups = groups_for(x.shape)
+        groups = with_valid(groups_for(x.shape), valid)
         view = to_view(x, groups)
         bits = pack_bits(flat_codes(view >= 0, groups), 1)
         if sample is None:
@@ -131,5 +141,6 @@ def onebit(*, grouping: str = "bucket", bucket_size: int = 64,
         return from_view(view, groups, payload.shape, payload.dtype)
 
     return Compressor(name, encode, decode, linear=False, stochastic=sample is not None,
-                      block=bucket_size if grouping == "bucket" else 1)
+                      block=bucket_size if grouping == "bucket" else 1, grouping=grouping,
+                      masks_padding=True)
 

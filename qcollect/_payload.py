@@ -58,10 +58,20 @@ class Compressor(NamedTuple):
       linear: True when ``decode(sum of payloads) == sum of decodes``, so
         payloads may be summed in the compressed domain.
       stochastic: True when encode consumes ``key``.
-      block: the compressor's natural granularity in values (QSGD and 1-bit
-        buckets, PCA slices; 1 when none). Collectives that cut a buffer into
-        per-device chunks align chunk boundaries to it, so chunked encoding
-        groups values exactly as encoding the whole buffer would.
+      block: values per bucket when ``grouping == "bucket"`` (QSGD and 1-bit
+        buckets, PCA slices); 1 otherwise.
+      grouping: the groups its statistics (scales, means, thresholds, ranges)
+        are computed over, within one array: ``"element"`` (none: identity,
+        cast, threshold), ``"bucket"`` (runs of ``block`` consecutive values,
+        flattened row-major), ``"column"`` (columns of the array's matrix
+        view, `qcollect.matrix_view`) or ``"leaf"`` (the whole array).
+        `compressed_all_reduce` lays leaves out so that no group spans two
+        leaves or two devices (see `qcollect._layout`).
+      masks_padding: True when ``encode`` takes ``valid=``, an int32 array
+        with one count per group: the group's first ``valid[g]`` values are
+        real and the rest is zero padding that must not enter its statistics
+        (1-bit means, adaptive selections, entropy ranges). Collectives pass
+        it for a leaf's last, partial bucket and for padding chunks.
 
     Example:
       >>> import jax, jax.numpy as jnp, qcollect as qc
@@ -77,6 +87,8 @@ class Compressor(NamedTuple):
     linear: bool
     stochastic: bool
     block: int = 1
+    grouping: str = "element"
+    masks_padding: bool = False
 
 
 def payload_bytes(tree) -> int:

@@ -300,4 +300,5 @@ def pca(basis, mean=None, *, num_workers: int) -> Compressor:
         flat = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.float32)
         return flat.reshape(payload.shape).astype(payload.dtype)
 
-    return Compressor(name, encode, decode, linear=True, stochastic=False, block=slice_size)
+    return Compressor(name, encode, decode, linear=True, stochastic=False, block=slice_size,
+                      grouping="bucket")

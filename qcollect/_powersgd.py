@@ -65,6 +65,7 @@ import jax
 import jax.numpy as jnp
 
 from qcollect._config import check_choice, check_float, check_floating_input, check_int
+from qcollect._groups import matrix_view
 from qcollect._payload import Compressor, Payload, check_format
 
 __all__ = [
@@ -90,12 +91,8 @@ def _view_shape(shape, view: str) -> tuple[int, int]:
     """The ``(n, m)`` matrix view of ``shape`` (validates ``view``)."""
     check_choice("view", view, _VIEWS)
     shape = tuple(int(s) for s in shape)
-    if not shape:
-        return (1, 1)
-    if len(shape) == 1:
-        return (shape[0], 1)
-    if view == "last":
-        return (math.prod(shape[:-1]), shape[-1])
+    if view == "last" or len(shape) < 2:
+        return matrix_view(shape)
     return (shape[0], math.prod(shape[1:]))
 
 

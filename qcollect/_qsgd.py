@@ -109,5 +109,6 @@ def qsgd(*, bits: int = 4, bucket_size: int | None | str = "default", norm: str 
         view = jnp.where(codes >= sign_bit, -level, level) * step
         return from_view(view, groups, payload.shape, payload.dtype)
 
+    # Zero padding leaves a bucket's max- or 2-norm unchanged: no valid counts.
     return Compressor(name, encode, decode, linear=False, stochastic=stochastic,
-                      block=bucket_size or 1)
+                      block=bucket_size or 1, grouping="bucket" if bucket_size else "leaf")

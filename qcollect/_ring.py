@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from qcollect._fusion import BUCKET_BYTES, fuse_by_dtype
+from qcollect._layout import BUCKET_BYTES, plan_segments
 
 __all__ = [
     "as_varying",
@@ -237,13 +237,17 @@ def ring_all_reduce(x, axis_name, *, bucket_bytes: int | None = BUCKET_BYTES):
       >>> f = jax.shard_map(lambda v: qc.ring_all_reduce(v, "d"), mesh=mesh,
       ...                   in_specs=P("d"), out_specs=P("d"))
     """
-    buffers, unfuse = fuse_by_dtype(x, bucket_bytes=bucket_bytes)
-    reduced = {}
-    for name, flat in buffers.items():
-        size = flat.shape[0]
-        total = ring_all_gather(ring_reduce_scatter(flat, axis_name), axis_name)
-        reduced[name] = total[:size]
-    return unfuse(reduced)
+    leaves, treedef = jax.tree.flatten(x)
+    leaves = [jnp.asarray(leaf) for leaf in leaves]
+    out = [None] * len(leaves)
+    n = _ring_size(axis_name)
+    for seg in plan_segments(leaves, n=n, bucket_bytes=bucket_bytes):
+        flat = seg.chunks(leaves).reshape(-1)
+        if flat.shape[0]:
+            flat = ring_all_gather(ring_reduce_scatter(flat, axis_name), axis_name)
+        for m, leaf in zip(seg.members, seg.leaves(flat.reshape(n, -1)), strict=True):
+            out[m] = leaf
+    return treedef.unflatten(out)
 
 
 def ring_bytes_per_device(num_elements: int, itemsize: int, n: int) -> int:

@@ -31,8 +31,7 @@ def group_indices(shape, grouping, bucket_size):
     flat = np.arange(size)
     if grouping == "bucket":
         return [flat[i:i + bucket_size] for i in range(0, size, bucket_size)]
-    rows, cols = (shape[0], math.prod(shape[1:])) if len(shape) else (1, 1)
-    return list(flat.reshape(rows, cols).T)
+    return list(flat.reshape(qc.matrix_view(tuple(shape))).T)
 
 
 def sent_indices(p):

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 import qcollect as qc
-from qcollect._compressed import chunk_length
+from qcollect._layout import plan_segments
 from tests.helpers import per_device
 
 
@@ -82,7 +82,10 @@ def test_pairwise_error_feedback_identity(n, compressor):
     rhs = np.asarray(out.value, np.float64)[0] + np.asarray(out.owner_error, np.float64).sum(0)
     np.testing.assert_allclose(lhs, rhs, rtol=1e-4, atol=1e-4)
     # Each device's owner error is zero outside its own chunk.
-    chunk = chunk_length(1000, n, compressor)  # block-aligned when blocks fit
+    # Chunks hold whole buckets of the leaf.
+    (segment,) = plan_segments([x[0]], compressor.grouping, compressor.block, n)
+    chunk = segment.chunk_shape[0]
+    assert chunk % compressor.block == 0
     owner_error = np.asarray(out.owner_error)
     for i in range(n):
         err = owner_error[i].copy()

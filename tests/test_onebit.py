@@ -14,7 +14,7 @@ def reference(x, grouping, bucket_size):
     """Dryden 3.1: per group, values >= 0 -> mean of non-negatives, else mean of negatives."""
     x = np.asarray(x, np.float64)
     if grouping == "column":
-        mat = x.reshape(x.shape[0] if x.ndim else 1, -1)
+        mat = x.reshape(qc.matrix_view(x.shape))  # the last axis indexes the columns
         groups = [mat[:, j] for j in range(mat.shape[1])]
     else:
         flat = x.ravel()
@@ -44,8 +44,7 @@ def test_means_match_reference(shape, grouping, bucket_size, seed, zeros):
     x_hat = np.asarray(jax.jit(c.decode)(payload))
     flat_x = x.ravel()
     if grouping == "column":
-        cols = int(np.prod(shape[1:]))
-        idx = np.arange(flat_x.size) % cols
+        idx = np.arange(flat_x.size) % qc.matrix_view(shape)[1]
     else:
         idx = np.arange(flat_x.size) // bucket_size
     want = np.where(flat_x >= 0, pos[idx], neg[idx])

@@ -229,7 +229,11 @@ def test_least_squares_converges_close_to_uncompressed():
     exact = optax.GradientTransformation(lambda p: optax.EmptyState(),
                                          lambda g, s, p=None: (lax.pmean(g, "d"), s))
     ref, _ = _train(optax.chain(exact, optax.sgd(0.2)), steps)
-    ours, states = _train(optax.chain(_gq(), optax.sgd(0.2)), steps)
+    # 8-bit sampling: with QSGD-4's one scale per 512-value bucket (the whole
+    # 32x16 kernel here) the sampled sums are noisy enough that the fitted
+    # rank (1 or 2) and the final loss depend on the draw.
+    ours, states = _train(optax.chain(_gq(sample_compressor=qc.qsgd(bits=8)), optax.sgd(0.2)),
+                          steps)
     gq = _first(states[-1][0])
     rank = int(gq.rank["w"])
     assert 1 <= rank <= 6

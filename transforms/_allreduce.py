@@ -62,7 +62,8 @@ def compressed_allreduce(compressor: CompressorSpec, axis_name, *, key: jax.Arra
 
     Each step, on every device: ``input = g + residual`` (float32); the
     compressed leaves are summed by `qcollect.compressed_all_reduce` (leaves
-    sharing a compressor are fused into buffers of up to 4 MiB per dtype), the others by
+    sharing a compressor ride together in segments of up to 4 MiB per dtype, each
+    leaf keeping its own buckets, columns or ranges), the others by
     ``lax.psum``; ``residual = input - contributed``, where ``contributed`` is
     what this device's own encodings decode to (Seide; Grubic et al.
     Algorithm 2). With ``algorithm="pairwise"`` the owner's re-encoding error
@@ -92,8 +93,9 @@ def compressed_allreduce(compressor: CompressorSpec, axis_name, *, key: jax.Arra
       min_size: leaves with fewer values go uncompressed (Grubic: quantize
         >= 99% of the parameters; small biases ride along in full precision).
       compress_if: optional predicate ``(path, leaf) -> bool``.
-      fuse: fuse leaves of one compressor into buffers per dtype.
-      bucket_bytes: cap of a fused buffer (default 4 MiB); larger leaves are
+      fuse: let leaves of one compressor share collectives (per dtype);
+        never changes a leaf's statistics.
+      bucket_bytes: cap of a fused segment (default 4 MiB); larger leaves are
         reduced on their own. None: one buffer per compressor and dtype. See
         `qcollect.compressed_all_reduce`.
 

@@ -72,10 +72,11 @@ def compressed_model_averaging(axis_name, *, every_k: int, key: jax.Array,
     float32 ulp of the weights). Each value is quantized twice (origin
     and owner): the error of the average is at most half a bin of the
     origins' chunk ranges plus half a bin of the owner's chunk range
-    (bin width ``(w_max - w_min) / 2**N`` with ``N >= floor``). Leaves are
-    not fused (``fuse=False``) so that every layer, and every chunk of it,
-    gets its own ``[w_min, w_max]`` and bit-width, as in Algorithm 1's
-    per-layer loop.
+    (bin width ``(w_max - w_min) / 2**N`` with ``N >= floor``). Every layer
+    is reduced on its own (``fuse=False``; an entropy-coded leaf is never
+    fused anyway, its groups being whole leaves) and every device's share of
+    it gets its own ``[w_min, w_max]``, bit-width and code, as in Algorithm
+    1's per-layer loop.
 
     Static sizes (entropy): the bit-width ``N`` and Huffman stream length
     depend on the data, and one jitted step cannot change shapes. The

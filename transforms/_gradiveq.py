@@ -183,10 +183,12 @@ def gradiveq(axis_name, *, key: jax.Array, slice_size: int | Callable,
     kernels; section 2, footnote 3 keeps biases out), are averaged exactly
     (``lax.pmean``) every step. The update is the mean (or sum) over devices.
 
-    The ring cuts each leaf into ``N`` chunks of whole slices, zero-padded at
-    the end (a last partial slice is compressed with zeros after it); a leaf
-    with fewer than ``N * K`` values has chunks shorter than a slice, which
-    `qcollect.compressed_all_reduce` sends uncompressed.
+    The ring cuts each leaf into ``N`` chunks of whole slices
+    (`qcollect.compressed_all_reduce` never splits a slice or lets one span
+    two leaves): the leaf is zero-padded to whole slices (a last partial
+    slice is compressed with zeros after it) and to a multiple of ``N``
+    slices, so a leaf with fewer than ``N`` slices also sends ``d``
+    coefficients for each zero slice of padding.
 
     Flattening: Flax kernels ``(H, W, D, F)`` and ``(in, out)`` flatten
     row-major with ``F`` (``out``) innermost, Fig. 3a's order; pick ``K`` a

@@ -11,6 +11,7 @@ name           all-reduce
 none           ``lax.pmean`` (XLA's all-reduce): the baseline
 bf16           `transforms.compressed_allreduce` with ``qc.cast("bfloat16")``
 onebit         ... ``qc.onebit()`` (Seide, 64-value buckets, Grubic's 1bitSGD*)
+onebit-column  ... ``qc.onebit(grouping="column")`` (Seide/CNTK, means per column)
 threshold      ... ``qc.threshold(tau)`` (Strom, Dryden 3.2)
 adaptive       ... ``qc.adaptive(proportion, sample=256)`` (Dryden 3.3, sampled)
 qsgd-b         ... ``qc.qsgd(bits=b)`` (Grubic eq. 1, default buckets)
@@ -102,6 +103,8 @@ def communication(name: str, cfg, axis_name, key) -> Communication:
         return Communication(_compressed(qc.cast("bfloat16"), cfg, axis_name, key))
     if name == "onebit":
         return Communication(_compressed(qc.onebit(), cfg, axis_name, key))
+    if name == "onebit-column":
+        return Communication(_compressed(qc.onebit(grouping="column"), cfg, axis_name, key))
     if name == "threshold":
         return Communication(_compressed(qc.threshold(cfg.threshold_tau), cfg, axis_name, key))
     if name == "adaptive":

@@ -12,8 +12,8 @@ import dataclasses
 import re
 import typing
 
-COMPRESSOR_NAMES = ("none", "bf16", "onebit", "threshold", "adaptive", "qsgd-2", "qsgd-4",
-                    "qsgd-8", "entropy", "powersgd", "gradiveq")
+COMPRESSOR_NAMES = ("none", "bf16", "onebit", "onebit-column", "threshold", "adaptive", "qsgd-2",
+                    "qsgd-4", "qsgd-8", "entropy", "powersgd", "gradiveq")
 OPTIMIZERS = ("adagrad", "sgd", "momentum", "adam")
 
 

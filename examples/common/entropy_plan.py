@@ -40,9 +40,16 @@ GROWTH = 1.25
 MAX_RETRIES = 4
 
 
-def _chunks(flat, n: int):
-    length = -(-flat.shape[0] // n)
-    return jnp.pad(flat, (0, n * length - flat.shape[0])).reshape(n, length)
+def _shares(flat, n: int):
+    """A leaf's ``n`` equal shares as `qcollect.compressed_all_reduce` lays
+    out an entropy-coded leaf (one share per device, the last zero-padded),
+    and the real values in each (``valid``, which keeps padding out of the
+    range and the entropy sample)."""
+    size = flat.shape[0]
+    length = -(-size // n)
+    valid = [[min(max(size - j * length, 0), length)] for j in range(n)]
+    return (jnp.pad(flat, (0, n * length - size)).reshape(n, length),
+            jnp.asarray(valid, jnp.int32))
 
 
 def _round_up(words: int, margin: float) -> int:
@@ -78,9 +85,10 @@ class Planner:
             v = g.astype(jnp.float32).reshape(-1)
             if r.size:
                 v = v + r.reshape(-1)
-            mine, total = _chunks(v, n), _chunks(lax.psum(v, self.axis), n)
+            (mine, valid), (total, _) = _shares(v, n), _shares(lax.psum(v, self.axis), n)
             keys = jax.random.split(self.key, n)
-            asked = [jax.vmap(self.c.plan)(chunks, keys) for chunks in (mine, total)]
+            plan = lambda share, key, valid: self.c.plan(share, key, valid=valid)  # noqa: E731
+            asked = [jax.vmap(plan)(shares, keys, valid) for shares in (mine, total)]
             bits = jnp.max(jnp.stack([a.bits for a in asked]))
             words = jnp.max(jnp.stack([a.words for a in asked]))
             out[jax.tree_util.keystr(path)] = (lax.pmax(bits, self.axis),

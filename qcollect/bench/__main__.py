@@ -6,6 +6,7 @@ BENCHMARKS = {
     "quantizers": "qcollect.bench.quantizers",
     "collectives": "qcollect.bench.collectives",
     "network": "qcollect.bench.network",
+    "structure": "qcollect.bench.structure",
 }
 
 

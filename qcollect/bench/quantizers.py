@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 
 import qcollect as qc
+from qcollect._compressed import _Chunks, _Codec
+from qcollect._layout import plan_segments
 from qcollect.bench._timing import interleaved_medians
 
 
@@ -61,12 +63,46 @@ def _powersgd_round(rank: int):
     return make
 
 
+def _collective_layout(make, n: int = 4):
+    """The codec as `qcollect.compressed_all_reduce` runs it on ``n`` devices.
+
+    Encode lays the array out into ``n`` chunks of whole groups (buckets: a
+    reshape; columns: blocks of whole columns read from the matrix) and
+    encodes every chunk with the collective's own code; decode decodes the
+    stacked payloads and lays the values back (for columns a copy of
+    ``(n, rows, c)`` into ``(rows, n c)``). Side by side with the plain rows
+    this is what the layout costs.
+    """
+
+    def build(x):
+        c = make(x)
+        (segment,) = plan_segments([x], c.grouping, c.block, n, bucket_bytes=None)
+        valid = segment.valid() if c.masks_padding else None
+        codec = _Codec(c, None if valid is None else jnp.asarray(valid))
+
+        def encode(x, key=None):
+            keys = jax.random.split(jax.random.key(0) if key is None else key, n)
+            return codec.encode_all(_Chunks(segment.laid_out([x]), segment), keys)
+
+        def decode(payload):
+            return segment.leaves(codec.decode_all(payload))[0]
+
+        return qc.Compressor(f"{c.name}/layout{n}", encode, decode, linear=c.linear,
+                             stochastic=c.stochastic)
+
+    return build
+
+
 COMPRESSORS = {
     "identity": lambda x: qc.identity(),
     "cast-bf16": lambda x: qc.cast("bfloat16"),
     "cast-fp16": lambda x: qc.cast("float16"),
     "onebit (bucket 64)": lambda x: qc.onebit(),
     "onebit (column)": lambda x: qc.onebit(grouping="column"),
+    "onebit (bucket 64), collective layout, 4 chunks": _collective_layout(
+        lambda x: qc.onebit()),
+    "onebit (column), collective layout, 4 chunks": _collective_layout(
+        lambda x: qc.onebit(grouping="column")),
     "onebit (bucket 64, sample 8)": lambda x: qc.onebit(sample=8),
     "qsgd-2 (bucket 128)": lambda x: qc.qsgd(bits=2),
     "qsgd-4 (bucket 512)": lambda x: qc.qsgd(bits=4),

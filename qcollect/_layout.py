@@ -1,0 +1,237 @@
+"""How the leaves of a pytree are laid out for a collective, group by group.
+
+A compressor computes its statistics over groups of one array
+(`Compressor.grouping`): single values, buckets of consecutive values,
+columns of the array's matrix view, or the whole array. A collective fuses
+leaves into buffers and cuts each buffer into one chunk per device; done on
+flat 1-D buffers, a chunk would mix layers (a bucket straddling two leaves,
+an entropy range over several layers, a "column" that is a whole chunk). The
+layout here keeps every group whole and inside its own leaf:
+
+* ``"element"`` and ``"bucket"`` (``block`` values per bucket): a *row
+  segment*. Each leaf is flattened row-major and zero-padded to whole
+  buckets, so its buckets are rows of a ``(rows, block)`` array; leaves of
+  one dtype are stacked row after row (up to ``bucket_bytes``), and a
+  device's chunk is ``ceil(rows / N)`` whole rows, encoded as one flat
+  array. A leaf's last, partial bucket is zero-padded; compressors whose
+  statistics padding would bias (`Compressor.masks_padding`) get its real
+  count in ``valid``.
+* ``"column"``: a *column segment*. Each leaf is viewed as a
+  ``(rows, cols)`` matrix (`qcollect.matrix_view`: the last axis indexes the
+  columns, so a Flax kernel ``(in, out)`` or ``(kh, kw, in, out)`` has one
+  column per output unit); leaves of one dtype and the same number of rows
+  are placed side by side; a device's chunk is ``ceil(cols / N)`` whole
+  columns, a ``(rows, c)`` matrix encoded with column groups (reduced along
+  axis 0, no transpose). Columns are strided in memory: the collective
+  encodes each chunk's block straight from the side-by-side matrix
+  (`Segment.take`), and only the decoded chunks are copied back from
+  ``(N, rows, c)`` to ``(rows, N c)``. The quantizer benchmark's
+  ``collective layout`` rows measure the cost next to buckets.
+* ``"leaf"``: one segment per leaf, never fused; each device owns an equal
+  share of the leaf (one row of ``ceil(size / N)`` values), coded as its
+  own group, with the last share's padding marked in ``valid``.
+
+Padding rows and columns (when they do not divide by N) are all zeros, whose
+statistics are harmless (zero means, scales and ranges) and which are dropped
+after decoding; when ``valid`` is passed they count 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from qcollect._config import check_int
+from qcollect._groups import matrix_view
+
+__all__ = ["BUCKET_BYTES", "GROUPINGS", "Segment", "plan_segments"]
+
+#: Default cap of a fused buffer: small leaves ride together up to 4 MiB; a
+#: leaf of 4 MiB or more is reduced on its own, without a concatenation copy.
+BUCKET_BYTES = 4 << 20
+
+GROUPINGS = ("element", "bucket", "column", "leaf")
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Leaves reduced together, as whole groups, and their per-device chunks.
+
+    Attributes:
+      members: indices of the leaves, in tree order.
+      shapes: their shapes.
+      dtype: their common dtype.
+      columns: True for a column segment (chunks are ``(rows, c)`` matrices
+        of whole columns), False for a row segment (chunks are flat runs of
+        whole ``width``-value rows).
+      unit: values per row (row segment) or rows of the matrix view (column
+        segment).
+      spans: rows (or columns) of each member.
+      n: devices, i.e. chunks.
+    """
+
+    members: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: np.dtype
+    columns: bool
+    unit: int
+    spans: tuple[int, ...]
+    n: int
+
+    @property
+    def length(self) -> int:
+        """Rows (or columns) of the segment, padding excluded."""
+        return sum(self.spans)
+
+    @property
+    def per_chunk(self) -> int:
+        """Rows (or columns) in one device's chunk."""
+        return -(-self.length // self.n)
+
+    @property
+    def chunk_shape(self) -> tuple[int, ...]:
+        if self.columns:
+            return (self.unit, self.per_chunk)
+        return (self.per_chunk * self.unit,)
+
+    def chunks(self, leaves) -> jax.Array:
+        """``(n, *chunk_shape)``: the member leaves laid out and cut into chunks.
+
+        ``leaves`` is the whole list of leaves (only the members are read);
+        they may have another dtype than the segment's (a float32 residual).
+        For a column segment this is a strided copy; `laid_out` and `take`
+        read one chunk without it.
+        """
+        if self.columns:
+            mat = self.laid_out(leaves)
+            return mat.reshape(self.unit, self.n, self.per_chunk).transpose(1, 0, 2)
+        return self.laid_out(leaves)
+
+    def take(self, laid_out: jax.Array, j) -> jax.Array:
+        """Chunk ``j`` (traced, taken modulo ``n``) of a `laid_out` array."""
+        j = j % self.n
+        if self.columns:
+            return lax.dynamic_slice_in_dim(laid_out, j * self.per_chunk, self.per_chunk, axis=1)
+        return lax.dynamic_index_in_dim(laid_out, j, keepdims=False)
+
+    def laid_out(self, leaves) -> jax.Array:
+        """The members side by side: ``(rows, n * c)`` columns for a column
+        segment (chunk ``j`` is columns ``[j c, (j + 1) c)``), else the
+        ``(n, *chunk_shape)`` chunks themselves."""
+        parts = [jnp.asarray(leaves[i]) for i in self.members]
+        dtype = parts[0].dtype
+        pad = self.n * self.per_chunk - self.length
+        if self.columns:
+            mats = [p.reshape(self.unit, s) for p, s in zip(parts, self.spans, strict=True)]
+            if pad:
+                mats.append(jnp.zeros((self.unit, pad), dtype))
+            return mats[0] if len(mats) == 1 else jnp.concatenate(mats, axis=1)
+        flats = []
+        for p, rows in zip(parts, self.spans, strict=True):
+            flat = p.reshape(-1)
+            tail = rows * self.unit - flat.shape[0]
+            flats.append(jnp.pad(flat, (0, tail)) if tail else flat)
+        if pad:
+            flats.append(jnp.zeros((pad * self.unit,), dtype))
+        flat = flats[0] if len(flats) == 1 else jnp.concatenate(flats)
+        return flat.reshape((self.n,) + self.chunk_shape)
+
+    def leaves(self, chunks: jax.Array) -> list[jax.Array]:
+        """Inverse of `chunks`: the members' arrays, padding dropped."""
+        out = []
+        offset = 0
+        if self.columns:
+            mat = chunks.transpose(1, 0, 2).reshape(self.unit, self.n * self.per_chunk)
+            for shape, cols in zip(self.shapes, self.spans, strict=True):
+                out.append(mat[:, offset:offset + cols].reshape(shape))
+                offset += cols
+            return out
+        flat = chunks.reshape(-1)
+        for shape, rows in zip(self.shapes, self.spans, strict=True):
+            out.append(flat[offset:offset + math.prod(shape)].reshape(shape))
+            offset += rows * self.unit
+        return out
+
+    def valid(self) -> np.ndarray | None:
+        """``(n, rows per chunk)`` real values per row of a row segment, or
+        None when every row is whole (and for column segments, whose columns
+        are never split)."""
+        if self.columns:
+            return None
+        counts = []
+        partial = False
+        for shape, rows in zip(self.shapes, self.spans, strict=True):
+            row = np.full(rows, self.unit, np.int32)
+            if rows:
+                row[-1] = math.prod(shape) - (rows - 1) * self.unit
+                partial |= bool(row[-1] != self.unit)
+            counts.append(row)
+        if not partial:  # padding rows are all zeros: no statistic is biased
+            return None
+        counts.append(np.zeros(self.n * self.per_chunk - self.length, np.int32))
+        return np.concatenate(counts).reshape(self.n, self.per_chunk)
+
+
+def _units(shape, grouping: str, block: int, n: int) -> tuple[bool, int, int]:
+    """``(columns, unit, span)`` of one leaf."""
+    size = math.prod(shape)
+    if size == 0:
+        return False, 1, 0
+    if grouping == "column":
+        rows, cols = matrix_view(tuple(shape))
+        return True, rows, cols
+    width = {"element": 1, "bucket": block, "leaf": -(-size // n)}[grouping]
+    return False, width, -(-size // width)
+
+
+def plan_segments(leaves, grouping: str = "element", block: int = 1, n: int = 1, *,
+                  fuse: bool = True, bucket_bytes: int | None = BUCKET_BYTES
+                  ) -> list[Segment]:
+    """Lays out ``leaves`` (arrays or shape/dtype structs) into segments.
+
+    Args:
+      leaves: the leaves, in tree order.
+      grouping: the compressor's `Compressor.grouping`.
+      block: values per bucket for ``"bucket"``.
+      n: devices along the axis.
+      fuse: place leaves of one dtype (and, for columns, one row count)
+        together; False (or ``"leaf"`` grouping) gives every leaf its own.
+      bucket_bytes: cap of a fused segment: leaves fill a segment in tree
+        order until the next would pass the cap; a leaf of the cap or more
+        goes alone (so it is never copied into a concatenation); None: no cap.
+
+    Returns:
+      Segments covering every leaf once, in the order of their first leaf.
+      Empty leaves get segments of their own with no rows.
+    """
+    if grouping not in GROUPINGS:
+        raise ValueError(f"grouping must be one of {GROUPINGS}, got {grouping!r}")
+    bucket_bytes = check_int("bucket_bytes", bucket_bytes, low=0, allow_none=True)
+    check_int("block", block, low=1)
+    alone = not fuse or grouping == "leaf" or bucket_bytes == 0
+    segments: list[dict] = []
+    open_segment: dict[tuple, dict] = {}
+    for i, leaf in enumerate(leaves):
+        shape, dtype = tuple(leaf.shape), jnp.dtype(leaf.dtype)
+        columns, unit, span = _units(shape, grouping, block, n)
+        nbytes = math.prod(shape) * dtype.itemsize
+        key = (dtype, columns, unit)
+        current = open_segment.get(key)
+        by_itself = alone or span == 0 or (bucket_bytes is not None and nbytes >= bucket_bytes)
+        if (by_itself or current is None
+                or (bucket_bytes is not None and current["bytes"] + nbytes > bucket_bytes)):
+            current = {"key": key, "members": [], "shapes": [], "spans": [], "bytes": 0}
+            segments.append(current)
+            if not by_itself:
+                open_segment[key] = current
+        current["members"].append(i)
+        current["shapes"].append(shape)
+        current["spans"].append(span)
+        current["bytes"] += nbytes
+    return [Segment(tuple(s["members"]), tuple(s["shapes"]), s["key"][0], s["key"][1],
+                    s["key"][2], tuple(s["spans"]), n) for s in segments]

@@ -1,0 +1,170 @@
+"""Laying leaves out for a collective: whole groups, one leaf per group, the round trip."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from jax import lax
+
+import qcollect as qc
+from qcollect._layout import plan_segments
+from tests.helpers import per_device
+
+
+def _tree():
+    # float32 leaves of 4 KiB, 40 KiB, 400 B, 4 KiB; one bfloat16 leaf.
+    return {"a": jnp.arange(1024.0), "b": jnp.ones((100, 100)), "c": jnp.zeros(100),
+            "d": jnp.full((32, 32), 2.0), "h": jnp.ones(10, jnp.bfloat16)}
+
+
+def _members(segments):
+    return [seg.members for seg in segments]
+
+
+def test_buckets_cap_small_leaves_and_leave_large_ones_alone():
+    # Tree order is a, b, c, d, h (dict keys sorted). With an 8 KiB cap: a
+    # (4 KiB) opens a segment; b (40 KiB) goes alone; c (400 B) still fits
+    # a's segment; d (4 KiB) does not and opens the next one.
+    leaves = jax.tree.leaves(_tree())
+    assert _members(plan_segments(leaves, bucket_bytes=8 << 10)) == [(0, 2), (1,), (3,), (4,)]
+    assert _members(plan_segments(leaves, bucket_bytes=None)) == [(0, 1, 2, 3), (4,)]
+    assert len(plan_segments(leaves, bucket_bytes=0)) == 5
+    assert len(plan_segments(leaves, fuse=False)) == 5
+
+
+def test_a_leaf_of_the_cap_goes_alone_and_empty_leaves_get_empty_segments():
+    leaves = [jnp.zeros(0), jnp.ones(1024), jnp.zeros(0), jnp.ones(10), jnp.ones(1024)]
+    segments = plan_segments(leaves, bucket_bytes=4096, n=4)
+    assert _members(segments) == [(0,), (1,), (2,), (3,), (4,)]
+    assert [seg.length for seg in segments] == [0, 1024, 0, 10, 1024]
+
+
+@pytest.mark.parametrize("grouping,block", [("bucket", 64), ("bucket", 7), ("element", 1)])
+@pytest.mark.parametrize("n", [1, 3, 4, 8])
+def test_row_segments_hold_whole_buckets_of_one_leaf(grouping, block, n):
+    shapes = [(5, 3), (130,), (64,), (2, 3, 4, 5), (1,)]
+    leaves = [jnp.full(s, float(i + 1)) for i, s in enumerate(shapes)]
+    (seg,) = plan_segments(leaves, grouping, block, n)
+    chunks = np.asarray(seg.chunks(leaves))
+    assert chunks.shape == (n, seg.per_chunk * block)
+    rows = chunks.reshape(-1, block)
+    # Each bucket holds one leaf's values (its leaf's tag), then zero padding.
+    for i, shape in enumerate(shapes):
+        first = sum(-(-math.prod(s) // block) for s in shapes[:i])
+        count = -(-math.prod(shape) // block)
+        mine = rows[first:first + count].reshape(-1)
+        assert np.all(mine[:math.prod(shape)] == i + 1) and np.all(mine[math.prod(shape):] == 0)
+    assert np.all(rows[seg.length:] == 0)  # padding rows
+    for back, leaf in zip(seg.leaves(jnp.asarray(chunks)), leaves, strict=True):
+        np.testing.assert_array_equal(np.asarray(back), np.asarray(leaf))
+    valid = seg.valid()
+    if block > 1:  # partial buckets: their real counts
+        assert valid.shape == (n, seg.per_chunk)
+        np.testing.assert_array_equal(valid.reshape(-1)[:seg.length],
+                                      np.count_nonzero(rows[:seg.length], axis=1))
+        assert np.all(valid.reshape(-1)[seg.length:] == 0)
+    else:
+        assert valid is None
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8])
+def test_column_segments_hold_whole_columns_side_by_side(n):
+    # Leaves with 12 rows in their matrix view share a segment; (3, 4, 5)
+    # has 12 rows too (channels-last: (kh*kw*in, out)); (7, 2) does not.
+    shapes = [(12, 3), (3, 4, 5), (7, 2), (12,)]
+    leaves = [jax.random.normal(jax.random.key(i), s) for i, s in enumerate(shapes)]
+    segments = plan_segments(leaves, "column", 1, n)
+    assert _members(segments) == [(0, 1, 3), (2,)]
+    seg = segments[0]
+    assert seg.columns and seg.unit == 12 and seg.spans == (3, 5, 1)
+    chunks = np.asarray(seg.chunks(leaves))
+    assert chunks.shape == (n, 12, -(-9 // n))
+    # Chunk j holds columns [j c, (j + 1) c) of the side-by-side matrix.
+    side = np.concatenate([np.asarray(leaves[i]).reshape(12, -1) for i in (0, 1, 3)], axis=1)
+    side = np.pad(side, ((0, 0), (0, n * chunks.shape[2] - 9)))
+    np.testing.assert_array_equal(np.concatenate(list(chunks), axis=1), side)
+    for m, back in zip(seg.members, seg.leaves(jnp.asarray(chunks)), strict=True):
+        np.testing.assert_array_equal(np.asarray(back), np.asarray(leaves[m]))
+    assert seg.valid() is None
+
+
+def test_leaf_grouping_never_fuses_and_splits_a_leaf_into_equal_shares():
+    leaves = [jnp.arange(1.0, 11.0), jnp.ones(3), jnp.ones((2, 2))]
+    segments = plan_segments(leaves, "leaf", 1, 4)
+    assert _members(segments) == [(0,), (1,), (2,)]
+    seg = segments[0]
+    assert seg.chunk_shape == (3,)  # ceil(10 / 4) values per device
+    np.testing.assert_array_equal(seg.valid(), [[3], [3], [3], [1]])
+    np.testing.assert_array_equal(np.asarray(seg.chunks(leaves)).reshape(-1)[:10],
+                                  np.arange(1.0, 11.0))
+
+
+def test_a_float32_residual_lays_out_like_its_bfloat16_leaves():
+    tree = [jnp.ones(3000, jnp.bfloat16), jnp.ones(3000, jnp.bfloat16)]
+    (seg,) = plan_segments(tree, "bucket", 64, 4, bucket_bytes=16 << 10)
+    residual = [leaf.astype(jnp.float32) for leaf in tree]
+    chunks = seg.chunks(residual)
+    assert chunks.dtype == jnp.float32 and chunks.shape == seg.chunks(tree).shape
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "4MiB"])
+def test_bad_bucket_bytes_is_a_clear_error(bad):
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        plan_segments(jax.tree.leaves(_tree()), bucket_bytes=bad)
+
+
+def test_unknown_grouping_is_a_clear_error():
+    with pytest.raises(ValueError, match="grouping"):
+        plan_segments([jnp.ones(3)], "rows")
+
+
+@given(shapes=st.lists(st.sampled_from([(0,), (1,), (5,), (33,), (4, 6), (3, 5, 7),
+                                        (2, 2, 3, 4), (100,)]), min_size=1, max_size=5),
+       grouping=st.sampled_from(["element", "bucket", "column", "leaf"]),
+       block=st.sampled_from([1, 4, 64]), n=st.sampled_from([1, 2, 3, 8]),
+       cap=st.sampled_from([None, 0, 256, 4096]))
+def test_every_layout_round_trips(shapes, grouping, block, n, cap):
+    leaves = [jnp.arange(math.prod(s), dtype=jnp.float32).reshape(s) + 100 * i
+              for i, s in enumerate(shapes)]
+    segments = plan_segments(leaves, grouping, block, n, bucket_bytes=cap)
+    seen = sorted(m for seg in segments for m in seg.members)
+    assert seen == list(range(len(leaves)))
+    for seg in segments:
+        back = seg.leaves(seg.chunks(leaves))
+        for m, leaf in zip(seg.members, back, strict=True):
+            np.testing.assert_array_equal(np.asarray(leaf), np.asarray(leaves[m]))
+
+
+def _collectives(fn, *args):
+    return sum(op.multiplicity for op in qc.wire_report(fn, *args)
+               if op.op == "collective-permute")
+
+
+def test_bucket_cap_splits_collectives_not_results():
+    n = 4
+    tree = {"big": jax.random.normal(jax.random.key(0), (n, 4096)),
+            "small1": jax.random.normal(jax.random.key(1), (n, 30)),
+            "small2": jax.random.normal(jax.random.key(2), (n, 20))}
+    exact = per_device(lambda t: lax.psum(t, "d"), n)(tree)
+    counts = {}
+    for cap in (None, 1 << 10):
+        def ring(t, cap=cap):
+            return qc.ring_all_reduce(t, "d", bucket_bytes=cap)
+
+        def compressed(t, cap=cap):
+            return qc.compressed_all_reduce(t, "d", qc.identity(), bucket_bytes=cap).value
+
+        for fn in (ring, compressed):
+            out = per_device(fn, n)(tree)
+            for name in tree:
+                np.testing.assert_allclose(np.asarray(out[name]), np.asarray(exact[name]),
+                                           rtol=1e-5, atol=1e-5)
+        counts[cap] = _collectives(per_device(ring, n), tree)
+    # One ring (2 (N - 1) shifts) for everything, or one for the 16 KiB leaf
+    # and one for the two small leaves together.
+    assert counts[None] == 2 * (n - 1)
+    assert counts[1 << 10] == 2 * 2 * (n - 1)
