@@ -19,7 +19,7 @@ from qcollect._baseline import cast, identity
 from qcollect._compressed import ALGORITHMS, AllReduceResult, compressed_all_reduce
 from qcollect._entropy import EntropyCompressor, EntropyPlan, entropy
 from qcollect._groups import matrix_view
-from qcollect._layout import BUCKET_BYTES
+from qcollect._layout import BUCKET_BYTES, leaf_chunks
 from qcollect._onebit import onebit
 from qcollect._packing import pack_bits, packed_words, unpack_bits
 from qcollect._payload import Compressor, Payload, payload_bytes
@@ -64,6 +64,7 @@ __all__ = [
     "compressed_all_reduce",
     "entropy",
     "identity",
+    "leaf_chunks",
     "matrix_view",
     "onebit",
     "orthogonalize",

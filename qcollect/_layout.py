@@ -27,9 +27,13 @@ layout here keeps every group whole and inside its own leaf:
   (`Segment.take`), and only the decoded chunks are copied back from
   ``(N, rows, c)`` to ``(rows, N c)``. The quantizer benchmark's
   ``collective layout`` rows measure the cost next to buckets.
-* ``"leaf"``: one segment per leaf, never fused; each device owns an equal
-  share of the leaf (one row of ``ceil(size / N)`` values), coded as its
-  own group, with the last share's padding marked in ``valid``.
+* ``"leaf"``: one segment per leaf, never fused; each device owns a share
+  of the leaf, coded as its own group. A leaf with at least N columns in
+  its matrix view is shared by whole columns (a column segment), so every
+  share holds weights from all the layer's inputs and the shares' statistics
+  (ranges, entropies, hence planned sizes, which must be equal across
+  devices) agree; a vector is cut into equal runs of ``ceil(size / N)``
+  values, the last share's padding marked in ``valid``.
 
 Padding rows and columns (when they do not divide by N) are all zeros, whose
 statistics are harmless (zero means, scales and ranges) and which are dropped
@@ -49,7 +53,7 @@ from jax import lax
 from qcollect._config import check_int
 from qcollect._groups import matrix_view
 
-__all__ = ["BUCKET_BYTES", "GROUPINGS", "Segment", "plan_segments"]
+__all__ = ["BUCKET_BYTES", "GROUPINGS", "Segment", "leaf_chunks", "plan_segments"]
 
 #: Default cap of a fused buffer: small leaves ride together up to 4 MiB; a
 #: leaf of 4 MiB or more is reduced on its own, without a concatenation copy.
@@ -182,8 +186,8 @@ def _units(shape, grouping: str, block: int, n: int) -> tuple[bool, int, int]:
     size = math.prod(shape)
     if size == 0:
         return False, 1, 0
-    if grouping == "column":
-        rows, cols = matrix_view(tuple(shape))
+    rows, cols = matrix_view(tuple(shape))
+    if grouping == "column" or (grouping == "leaf" and 1 < n <= cols):
         return True, rows, cols
     width = {"element": 1, "bucket": block, "leaf": -(-size // n)}[grouping]
     return False, width, -(-size // width)
@@ -235,3 +239,36 @@ def plan_segments(leaves, grouping: str = "element", block: int = 1, n: int = 1,
         current["bytes"] += nbytes
     return [Segment(tuple(s["members"]), tuple(s["shapes"]), s["key"][0], s["key"][1],
                     s["key"][2], tuple(s["spans"]), n) for s in segments]
+
+
+def leaf_chunks(x, compressor, num_devices: int):
+    """The chunks `qcollect.compressed_all_reduce` encodes for the leaf ``x``
+    reduced on its own over ``num_devices`` devices.
+
+    For planning data-dependent sizes on exactly what will be encoded (the
+    entropy quantizer's `EntropyCompressor.plan` per chunk), or for looking
+    at the layout.
+
+    Args:
+      x: an array.
+      compressor: the `Compressor` (its grouping decides the layout).
+      num_devices: devices along the axis.
+
+    Returns:
+      ``(chunks, valid)``: ``(num_devices, *chunk_shape)`` chunks of whole
+      groups (zero-padded), and ``(num_devices, groups per chunk)`` int32
+      real counts to pass as ``encode(..., valid=valid[j])`` (None when the
+      compressor takes none or no group holds padding).
+
+    Example:
+      >>> import jax.numpy as jnp, qcollect as qc
+      >>> chunks, valid = qc.leaf_chunks(jnp.ones((3, 8)), qc.entropy(), 4)
+      >>> chunks.shape, valid   # two whole columns per device
+      ((4, 3, 2), None)
+    """
+    check_int("num_devices", num_devices, low=1)
+    x = jnp.asarray(x)
+    (segment,) = plan_segments([x], compressor.grouping, compressor.block, num_devices,
+                               fuse=False)
+    valid = segment.valid() if compressor.masks_padding else None
+    return segment.chunks([x]), None if valid is None else jnp.asarray(valid)

@@ -168,3 +168,21 @@ def test_bucket_cap_splits_collectives_not_results():
     # and one for the two small leaves together.
     assert counts[None] == 2 * (n - 1)
     assert counts[1 << 10] == 2 * 2 * (n - 1)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_a_matrix_leaf_is_shared_by_whole_columns(n):
+    """Whole-leaf groups (entropy): a kernel with at least N columns is shared
+    by columns, so every device's share spans all of the layer's inputs."""
+    x = jnp.arange(60.0).reshape(3, 4, 5) * (1 + jnp.arange(5.0))  # columns differ in scale
+    c = qc.entropy()
+    chunks, valid = qc.leaf_chunks(x, c, n)
+    per = -(-5 // n)
+    assert chunks.shape == (n, 12, per) and valid is None
+    mat = np.pad(np.asarray(x).reshape(12, 5), ((0, 0), (0, n * per - 5)))
+    for j in range(n):
+        np.testing.assert_array_equal(np.asarray(chunks[j]), mat[:, j * per:(j + 1) * per])
+    # A vector, or fewer columns than devices: equal runs of values.
+    chunks, valid = qc.leaf_chunks(jnp.arange(10.0), c, 4)
+    assert chunks.shape == (4, 3)
+    np.testing.assert_array_equal(np.asarray(valid), [[3], [3], [3], [1]])

@@ -40,18 +40,6 @@ GROWTH = 1.25
 MAX_RETRIES = 4
 
 
-def _shares(flat, n: int):
-    """A leaf's ``n`` equal shares as `qcollect.compressed_all_reduce` lays
-    out an entropy-coded leaf (one share per device, the last zero-padded),
-    and the real values in each (``valid``, which keeps padding out of the
-    range and the entropy sample)."""
-    size = flat.shape[0]
-    length = -(-size // n)
-    valid = [[min(max(size - j * length, 0), length)] for j in range(n)]
-    return (jnp.pad(flat, (0, n * length - size)).reshape(n, length),
-            jnp.asarray(valid, jnp.int32))
-
-
 def _round_up(words: int, margin: float) -> int:
     if words <= 0:
         return 0
@@ -70,8 +58,12 @@ class Planner:
         self._steps: dict = {}
         self._measure = dp.shard_map(self._needed, P())
 
-    def _needed(self, params, opt_state, x, y):
-        """Per compressed leaf: (bits, words) asked for, maximum over chunks and devices."""
+    def needs(self, params, opt_state, x, y):
+        """Per compressed leaf (inside the mapped step): the largest bit-width
+        asked for, and the stream words asked for by this batch's shares:
+        the devices' own (``gradient + residual``, the reduce-scatter; mean and
+        largest over devices and shares) and the owners' (the sums, which
+        they re-encode; largest)."""
         p, s = transforms.local(params), transforms.local(opt_state)
         _, grads = self.dp.grads(p, x, y)
         residuals = s[0].residual
@@ -82,18 +74,29 @@ class Planner:
         for (path, g), r, c in zip(flat_grads, jax.tree.leaves(residuals), chosen, strict=True):
             if c is None:
                 continue
-            v = g.astype(jnp.float32).reshape(-1)
+            v = g.astype(jnp.float32)
             if r.size:
-                v = v + r.reshape(-1)
-            (mine, valid), (total, _) = _shares(v, n), _shares(lax.psum(v, self.axis), n)
+                v = v + r
+            # Exactly the shares compressed_all_reduce will encode.
+            (mine, valid), (total, _) = (qc.leaf_chunks(a, self.c, n)
+                                         for a in (v, lax.psum(v, self.axis)))
             keys = jax.random.split(self.key, n)
-            plan = lambda share, key, valid: self.c.plan(share, key, valid=valid)  # noqa: E731
-            asked = [jax.vmap(plan)(shares, keys, valid) for shares in (mine, total)]
-            bits = jnp.max(jnp.stack([a.bits for a in asked]))
-            words = jnp.max(jnp.stack([a.words for a in asked]))
-            out[jax.tree_util.keystr(path)] = (lax.pmax(bits, self.axis),
-                                               lax.pmax(words, self.axis))
+            if valid is None:  # no padding inside any share
+                own, owner = (jax.vmap(self.c.plan)(shares, keys) for shares in (mine, total))
+            else:
+                plan = lambda share, key, count: self.c.plan(share, key, valid=count)  # noqa: E731
+                own, owner = (jax.vmap(plan)(shares, keys, valid) for shares in (mine, total))
+            out[jax.tree_util.keystr(path)] = {
+                "bits": lax.pmax(jnp.maximum(own.bits.max(), owner.bits.max()), self.axis),
+                "own_mean": lax.pmean(own.words.mean(), self.axis),
+                "own_max": lax.pmax(own.words.max(), self.axis),
+                "owner_max": lax.pmax(owner.words.max(), self.axis)}
         return out
+
+    def _needed(self, params, opt_state, x, y):
+        """Per compressed leaf: (bits, words) asked for, maximum over shares and devices."""
+        return {path: (need["bits"], jnp.maximum(need["own_max"], need["owner_max"]))
+                for path, need in self.needs(params, opt_state, x, y).items()}
 
     @property
     def compiles(self) -> int:
