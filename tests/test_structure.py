@@ -84,7 +84,7 @@ def _rel(a, b):
     return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
 
 
-@settings(max_examples=3, phases=(Phase.explicit, Phase.reuse, Phase.generate))
+@settings(max_examples=2, phases=(Phase.explicit, Phase.reuse, Phase.generate))
 @given(shapes=st.lists(st.sampled_from(SHAPES), min_size=2, max_size=5),
        scales=st.lists(st.sampled_from(SCALES), min_size=5, max_size=5),
        n=st.sampled_from([1, 2, 3, 4, 8]), seed=st.integers(0, 99), data=st.data())
@@ -117,8 +117,9 @@ STOCHASTIC = {
 }
 
 
-@pytest.mark.parametrize("algorithm", ["pairwise", "ring_requantize"])
-@pytest.mark.parametrize("name", list(STOCHASTIC) + ["onebit_column", "entropy_full_sample"])
+@pytest.mark.parametrize("name,algorithm", [(name, "pairwise") for name in STOCHASTIC]
+                         + [(name, "ring_requantize") for name in ("qsgd4", "onebit_column",
+                                                                   "adaptive_sampled")])
 def test_small_scale_layer_beside_a_large_one(name, algorithm):
     """A 512x128 layer at 1e-3 beside a 128x128 layer at 1.0 and a conv
     kernel at 1e-2 keeps the error it has alone (before leaf-aware layout
@@ -180,7 +181,7 @@ def _shard(tree, n):
                                                            jax.sharding.PartitionSpec("d")))
 
 
-@pytest.mark.parametrize("compressor", [qc.onebit(grouping="column"), qc.entropy(),
+@pytest.mark.parametrize("compressor", [qc.onebit(grouping="column"),
                                         qc.qsgd(bits=4, stochastic=False)],
                          ids=lambda c: c.name)
 def test_transform_residuals_are_each_leafs_own_encoding_error(compressor):
@@ -199,13 +200,8 @@ def test_transform_residuals_are_each_leafs_own_encoding_error(compressor):
         residual = np.asarray(state.residual[i])
         alone = transforms.replicate(tx.init(g[0]), mesh_of(n), "d")
         _, alone = step(_shard(g, n), alone)
-        if compressor.stochastic:
-            e_tree = np.linalg.norm(residual) / np.linalg.norm(g)
-            e_alone = np.linalg.norm(np.asarray(alone.residual)) / np.linalg.norm(g)
-            assert 0.8 * e_alone <= e_tree <= 1.25 * e_alone, (i, e_tree, e_alone)
-        else:
-            np.testing.assert_allclose(residual, np.asarray(alone.residual), rtol=1e-5,
-                                       atol=1e-6 * float(np.abs(g).max()))
+        np.testing.assert_allclose(residual, np.asarray(alone.residual), rtol=1e-5,
+                                   atol=1e-6 * float(np.abs(g).max()))
 
 
 def test_model_averaging_codes_every_layer_with_its_own_range():
