@@ -121,18 +121,15 @@ def as_varying(x, axis_name):
     return jax.tree.map(cast, x)
 
 
-def chunk_rows(rows: int, n: int, multiple: int = 1) -> int:
-    """Rows per chunk when ``rows`` are cut into ``n`` equal, zero-padded chunks.
-
-    ``ceil(rows / n)`` rounded up to a multiple of ``multiple``.
-    """
-    per_chunk = -(-rows // n) if rows else 0
-    return -(-per_chunk // multiple) * multiple
+def chunk_rows(rows: int, n: int) -> int:
+    """Rows per chunk, ``ceil(rows / n)``, when ``rows`` are cut into ``n``
+    equal, zero-padded chunks."""
+    return -(-rows // n)
 
 
-def split_chunks(x: jax.Array, n: int, rows: int | None = None) -> jax.Array:
-    """``(K, ...) -> (n, rows, ...)``, zero-padded; ``rows`` defaults to ``ceil(K / n)``."""
-    rows = chunk_rows(x.shape[0], n) if rows is None else rows
+def split_chunks(x: jax.Array, n: int) -> jax.Array:
+    """``(K, ...) -> (n, ceil(K / n), ...)``, zero-padded."""
+    rows = chunk_rows(x.shape[0], n)
     pad = n * rows - x.shape[0]
     if pad:
         x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
