@@ -38,7 +38,6 @@ from qcollect._powersgd import (
 )
 from qcollect._qsgd import QSGD_BUCKET_SIZES, qsgd
 from qcollect._ring import (
-    as_varying,
     ring_all_gather,
     ring_all_reduce,
     ring_bytes_per_device,
@@ -48,7 +47,6 @@ from qcollect._threshold import threshold
 from qcollect._wire import WireOp, wire_bytes, wire_report
 
 __all__ = [
-    "as_varying",
     "ALGORITHMS",
     "AllReduceResult",
     "BUCKET_BYTES",

@@ -25,7 +25,7 @@ from qcollect._groups import (
     with_valid,
 )
 from qcollect._packing import pack_bits
-from qcollect._payload import Compressor, Payload, check_format
+from qcollect._payload import Compressor, Payload, check_format, settings
 from qcollect._sparse import (
     MAX_SIZE,
     check_size,
@@ -203,7 +203,10 @@ def adaptive(proportion: float = 64.0, *, sample: int | None = None, grouping: s
 
     return Compressor(name, encode, decode, linear=False, stochastic=sample is not None,
                       block=bucket_size if grouping == "bucket" else 1, grouping=grouping,
-                      masks_padding=True)
+                      masks_padding=True,
+                      settings=settings(proportion=pi, sample=sample, grouping=grouping,
+                                        bucket_size=bucket_size, capacity_scale=scale,
+                                        coding=coding, rice_k=rice_k))
 
 
 def _int_view(keys: jax.Array, groups: Groups) -> jax.Array:

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qcollect._config import check_choice, check_floating_input
-from qcollect._payload import Compressor, Payload, check_format
+from qcollect._payload import Compressor, Payload, check_format, settings
 
 __all__ = ["identity", "cast"]
 
@@ -69,4 +69,5 @@ def cast(dtype) -> Compressor:
         check_format(payload, name)
         return payload["x"].astype(payload.dtype)
 
-    return Compressor(name, encode, decode, linear=True, stochastic=False)
+    return Compressor(name, encode, decode, linear=True, stochastic=False,
+                      settings=settings(dtype=dtype_name))

@@ -48,9 +48,9 @@ from qcollect._config import check_choice
 from qcollect._layout import BUCKET_BYTES, Segment, plan_segments
 from qcollect._payload import Compressor
 from qcollect._ring import (
+    all_gather_invariant,
     as_varying,
     permute,
-    ring_all_gather,
     shift_right,
     take_chunk,
 )
@@ -150,6 +150,11 @@ def _chunk_keys(key, n: int):
     return jax.vmap(lambda j: jax.random.fold_in(key, j))(jnp.arange(n))
 
 
+def _gather(axis_name, payload):
+    """Every owner's reduced payload on every device, invariant along the axis."""
+    return jax.tree.map(lambda leaf: all_gather_invariant(leaf[None], axis_name), payload)
+
+
 def _ring_compressed(chunks, axis_name, codec, key, n, me):
     payloads = codec.encode_all(chunks, _chunk_keys(key, n))
     own = lambda j: jax.tree.map(lambda leaf: take_chunk(leaf, j), payloads)  # noqa: E731
@@ -159,7 +164,7 @@ def _ring_compressed(chunks, axis_name, codec, key, n, me):
         return jax.tree.map(jnp.add, received, own(me - s - 2))
 
     reduced = lax.fori_loop(0, n - 1, step, as_varying(own(me - 1), axis_name))
-    gathered = jax.tree.map(lambda leaf: ring_all_gather(leaf[None], axis_name), reduced)
+    gathered = _gather(axis_name, reduced)
     return codec.decode_all(gathered), codec.decode_all(payloads), None
 
 
@@ -180,7 +185,7 @@ def _pairwise(chunks, axis_name, codec, key, n, me, owner_residual):
         reduced = reduced + owner_residual.take(me).astype(jnp.float32)
     requantized = codec.encode(reduced.astype(chunks.dtype), jax.random.fold_in(key, n), me)
     error = reduced - codec.decode(requantized).astype(jnp.float32)
-    gathered = jax.tree.map(lambda leaf: ring_all_gather(leaf[None], axis_name), requantized)
+    gathered = _gather(axis_name, requantized)
     owner_error = lax.dynamic_update_index_in_dim(
         jnp.zeros(chunks.shape, jnp.float32), error, me, 0)
     return codec.decode_all(gathered), codec.decode_all(payloads), owner_error
@@ -201,7 +206,7 @@ def _ring_requantize(chunks, axis_name, codec, key, n, me):
                                        jax.random.fold_in(key, s + 1), j), axis_name)
 
     reduced = lax.fori_loop(0, n - 1, step, as_varying(first, axis_name))
-    gathered = jax.tree.map(lambda leaf: ring_all_gather(leaf[None], axis_name), reduced)
+    gathered = _gather(axis_name, reduced)
     return codec.decode_all(gathered), contributed, None
 
 
@@ -211,9 +216,10 @@ def _reduce_segment(chunks: _Chunks, axis_name, codec, key, algorithm, owner_res
     n = chunks.n
     if n == 1:
         payload = codec.encode(chunks.take(0), key, 0)
-        decoded = codec.decode(payload)[None]
         owner_error = jnp.zeros(chunks.shape, jnp.float32) if algorithm == "pairwise" else None
-        return decoded, decoded, owner_error
+        # The gather over one device moves nothing; it makes the value invariant.
+        return (codec.decode_all(_gather(axis_name, payload)), codec.decode(payload)[None],
+                owner_error)
     me = lax.axis_index(axis_name)
     chunks = chunks._replace(data=as_varying(chunks.data, axis_name))
     if algorithm == "ring":
@@ -257,8 +263,10 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
 
     Returns:
       `AllReduceResult` ``(value, contributed, owner_error)``, each like ``x``
-      (owner_error None unless pairwise). Values are typed varying along
-      ``axis_name`` under ``shard_map``'s check (they agree across devices).
+      (owner_error None unless pairwise). ``value`` is the same on every
+      device and typed invariant along ``axis_name`` (it can leave
+      ``shard_map`` with ``out_specs=P()``); ``contributed`` and
+      ``owner_error`` are this device's own, typed varying.
 
     Raises:
       ValueError: unknown algorithm, ``"ring"`` with a non-linear compressor,
@@ -294,7 +302,8 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
     for i, seg in enumerate(segments):
         if seg.length == 0:  # empty leaves
             for m in seg.members:
-                out["value"][m] = out["contributed"][m] = jnp.zeros_like(leaves[m])
+                out["value"][m] = jnp.zeros(leaves[m].shape, leaves[m].dtype)
+                out["contributed"][m] = jnp.zeros_like(leaves[m])
                 out["owner"][m] = jnp.zeros(leaves[m].shape, jnp.float32)
             continue
         valid = seg.valid() if compressor.masks_padding else None

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from qcollect import _huffman as hf
 from qcollect._config import check_float, check_floating_input, check_int, require_key
 from qcollect._packing import pack_bits, packed_words, unpack_bits
-from qcollect._payload import Compressor, Payload, check_format
+from qcollect._payload import Compressor, Payload, check_format, settings
 from qcollect._random import hash_bits
 
 __all__ = ["EntropyCompressor", "EntropyPlan", "entropy"]
@@ -53,8 +53,6 @@ class EntropyCompressor(Compressor):
       with_plan(plan) -> Compressor whose encode uses the plan's static sizes
         (deterministic; the same plan returns the same, cached, object).
     """
-
-    __slots__ = ()
 
     def plan(self, x, key=None, *, valid=None) -> EntropyPlan:
         return self.encode.__self__.plan(x, key, valid=valid)
@@ -182,7 +180,8 @@ def entropy(*, sample_fraction: float = 0.03, prelim_bits: int = 4, floor: int =
     block_size = check_int("block_size", block_size, low=1, allow_none=True)
     codec = _Codec(sample_fraction, prelim_bits, floor, ceiling, huffman, block_size)
     return EntropyCompressor(codec.name, codec.encode, codec.decode, linear=False,
-                             stochastic=codec.stochastic, grouping="leaf", masks_padding=True)
+                             stochastic=codec.stochastic, grouping="leaf", masks_padding=True,
+                             settings=codec.settings)
 
 
 def _flat(x) -> jax.Array:
@@ -252,6 +251,8 @@ class _Codec:
         self.stochastic = fraction < 1.0
         self.name = (f"entropy/F{fraction:g}/M{prelim}/c{floor}/max{ceiling}/"
                      + (f"huffman/{block or 'whole'}" if huffman else "raw"))
+        self.settings = settings(sample_fraction=fraction, prelim_bits=prelim, floor=floor,
+                                 ceiling=ceiling, huffman=huffman, block_size=block)
         self._planned = functools.lru_cache(maxsize=64)(self._make_planned)
 
     def with_plan(self, plan) -> Compressor:
@@ -315,7 +316,8 @@ class _Codec:
             return self._pack(x, flat, w_min, w_max, jnp.int32(bits), 2**bits, words)
 
         return Compressor(self.name, encode, self.decode, linear=False, stochastic=False,
-                          grouping="leaf", masks_padding=True)
+                          grouping="leaf", masks_padding=True,
+                          settings=self.settings + (("plan", EntropyPlan(bits, words)),))
 
     def _pack(self, x, flat, w_min, w_max, n_bits, symbols, words) -> Payload:
         q = _quantize(flat, w_min, w_max, n_bits)

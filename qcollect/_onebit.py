@@ -24,7 +24,7 @@ from qcollect._groups import (
     with_valid,
 )
 from qcollect._packing import pack_bits, unpack_bits
-from qcollect._payload import Compressor, Payload, check_format
+from qcollect._payload import Compressor, Payload, check_format, settings
 
 __all__ = ["onebit"]
 
@@ -142,5 +142,6 @@ def onebit(*, grouping: str = "bucket", bucket_size: int = 64,
 
     return Compressor(name, encode, decode, linear=False, stochastic=sample is not None,
                       block=bucket_size if grouping == "bucket" else 1, grouping=grouping,
-                      masks_padding=True)
+                      masks_padding=True,
+                      settings=settings(grouping=grouping, bucket_size=bucket_size, sample=sample))
 

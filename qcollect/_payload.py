@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
@@ -47,8 +47,23 @@ jax.tree_util.register_dataclass(
 )
 
 
-class Compressor(NamedTuple):
-    """A compressor: static settings and pure encode/decode functions.
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class Compressor:
+    """A compressor: a value holding static settings and pure encode/decode functions.
+
+    Compressors are values: two built with the same settings are equal and
+    hash alike (``qc.qsgd(bits=4) == qc.qsgd(bits=4)``), so they serve as
+    dict keys, as static arguments of `jax.jit` (equal compressors share one
+    compiled program) and as fusion groups (`transforms` lets leaves with
+    equal compressors share collectives). Equality compares the type, the
+    wire-format name, the flags below and the factory's settings; ``encode``
+    and ``decode`` are derived from those and are not compared. Settings
+    that are arrays (PCA's basis and mean, PowerSGD's factor) compare by
+    object identity: equal values in two different arrays make two different
+    compressors, and nothing is ever traced or hashed by value.
+
+    The settings read as attributes: ``qc.qsgd(bits=4).bits == 4``,
+    ``qc.qsgd(bits=4).bucket_size == 512`` (defaults resolved).
 
     Attributes:
       name: wire-format name shared by every payload it produces.
@@ -72,10 +87,18 @@ class Compressor(NamedTuple):
         real and the rest is zero padding that must not enter its statistics
         (1-bit means, adaptive selections, entropy ranges). Collectives pass
         it for a leaf's last, partial bucket and for padding chunks.
+      settings: the factory's settings as ``(name, value)`` pairs, in the
+        factory's argument order.
 
     Example:
       >>> import jax, jax.numpy as jnp, qcollect as qc
       >>> c = qc.qsgd(bits=4)
+      >>> c == qc.qsgd(bits=4), c == qc.qsgd(bits=8), c.bits, c.bucket_size
+      (True, False, 4, 512)
+      >>> {c: "fused"}[qc.qsgd(bits=4)]
+      'fused'
+      >>> c
+      qsgd(bits=4, bucket_size=512, norm='max', stochastic=True)
       >>> p = c.encode(jnp.ones(1000), jax.random.key(0))
       >>> c.decode(p).shape, qc.payload_bytes(p)
       ((1000,), 508)
@@ -89,6 +112,63 @@ class Compressor(NamedTuple):
     block: int = 1
     grouping: str = "element"
     masks_padding: bool = False
+    settings: tuple[tuple[str, Any], ...] = ()
+
+    def _identity(self) -> tuple:
+        return (type(self), self.name, self.linear, self.stochastic, self.block,
+                self.grouping, self.masks_padding,
+                tuple((k, _comparable(v)) for k, v in self.settings))
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Compressor):
+            return NotImplemented
+        return self._identity() == other._identity()
+
+    def __hash__(self) -> int:
+        return hash(self._identity())
+
+    def __getattr__(self, item: str):
+        if item.startswith("__"):
+            raise AttributeError(item)
+        for key, value in object.__getattribute__(self, "settings"):
+            if key == item:
+                return value
+        names = ", ".join(k for k, _ in object.__getattribute__(self, "settings")) or "none"
+        raise AttributeError(f"{object.__getattribute__(self, 'name')!r} compressor has no "
+                             f"setting {item!r} (settings: {names})")
+
+    def __repr__(self) -> str:
+        factory = self.name.split("/")[0]
+        args = ", ".join(f"{k}={_short_repr(v)}" for k, v in self.settings)
+        return f"{factory}({args})"
+
+
+def _comparable(value):
+    """Settings compare by value, arrays (never hashable by value) by identity."""
+    if isinstance(value, (jax.Array, np.ndarray)) or hasattr(value, "aval"):
+        return ("array", id(value))
+    if isinstance(value, (list, tuple)):
+        return tuple(_comparable(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _comparable(v)) for k, v in value.items()))
+    try:
+        hash(value)
+    except TypeError:
+        return ("object", id(value))
+    return value
+
+
+def _short_repr(value) -> str:
+    if isinstance(value, (jax.Array, np.ndarray)) or hasattr(value, "aval"):
+        return f"<array {tuple(value.shape)} {value.dtype}>"
+    if isinstance(value, type) or callable(value) and hasattr(value, "__name__"):
+        return getattr(value, "__name__", repr(value))
+    return repr(value)
+
+
+def settings(**kwargs) -> tuple[tuple[str, Any], ...]:
+    """A factory's resolved settings, for `Compressor.settings`."""
+    return tuple(kwargs.items())
 
 
 def payload_bytes(tree) -> int:

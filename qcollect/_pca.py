@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qcollect._config import check_choice, check_floating_input, check_int
-from qcollect._payload import Compressor, Payload, check_format
+from qcollect._payload import Compressor, Payload, check_format, settings
 
 __all__ = ["PCAFit", "pca", "pca_fit"]
 
@@ -301,4 +301,5 @@ def pca(basis, mean=None, *, num_workers: int) -> Compressor:
         return flat.reshape(payload.shape).astype(payload.dtype)
 
     return Compressor(name, encode, decode, linear=True, stochastic=False, block=slice_size,
-                      grouping="bucket")
+                      grouping="bucket",
+                      settings=settings(basis=basis, mean=mean, num_workers=num_workers))

@@ -66,7 +66,7 @@ import jax.numpy as jnp
 
 from qcollect._config import check_choice, check_float, check_floating_input, check_int
 from qcollect._groups import matrix_view
-from qcollect._payload import Compressor, Payload, check_format
+from qcollect._payload import Compressor, Payload, check_format, settings
 
 __all__ = [
     "orthogonalize",
@@ -330,4 +330,5 @@ def powersgd(factor, *, side: str = "right", view: str = "last") -> Compressor:
         mat = powersgd_reconstruct(code, f) if side == "right" else powersgd_reconstruct(f, code)
         return mat.reshape(payload.shape).astype(payload.dtype)
 
-    return Compressor(name, encode, decode, linear=True, stochastic=False)
+    return Compressor(name, encode, decode, linear=True, stochastic=False,
+                      settings=settings(factor=factor, side=side, view=view))

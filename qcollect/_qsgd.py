@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from qcollect._config import check_choice, check_floating_input, check_int, require_key
 from qcollect._groups import bucket_groups, flat_codes, from_view, to_view, view_codes
 from qcollect._packing import pack_bits, unpack_bits
-from qcollect._payload import Compressor, Payload, check_format
+from qcollect._payload import Compressor, Payload, check_format, settings
 from qcollect._random import hash_uniform
 
 __all__ = ["qsgd", "QSGD_BUCKET_SIZES"]
@@ -111,4 +111,6 @@ def qsgd(*, bits: int = 4, bucket_size: int | None | str = "default", norm: str 
 
     # Zero padding leaves a bucket's max- or 2-norm unchanged: no valid counts.
     return Compressor(name, encode, decode, linear=False, stochastic=stochastic,
-                      block=bucket_size or 1, grouping="bucket" if bucket_size else "leaf")
+                      block=bucket_size or 1, grouping="bucket" if bucket_size else "leaf",
+                      settings=settings(bits=bits, bucket_size=bucket_size, norm=norm,
+                                        stochastic=stochastic))

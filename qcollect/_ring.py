@@ -11,9 +11,14 @@ figure of the paper.
 The steps run in a `lax.fori_loop`, so the compiled program holds one
 collective-permute whatever N is. The functions work inside any context that
 binds ``axis_name``: `jax.shard_map` (with ``check_vma=True``) and `jax.pmap`.
-Their results are typed as varying along ``axis_name`` (as those of
-`lax.all_gather` are): the values agree on every device, but only `lax.psum`
-yields a value the type system knows to be replicated.
+
+Types under ``shard_map``'s check: `ring_reduce_scatter` and
+`ring_all_gather` return values varying along ``axis_name`` (as
+`lax.psum_scatter` and `lax.all_gather` do). `ring_all_reduce` ends in
+`all_gather_invariant` (``lax.all_gather(..., to="invarying")``), so its
+result is invariant, like `lax.psum`'s: it can be returned with
+``out_specs=P()`` and added to replicated parameters. The gather moves the
+same ``(N - 1)`` blocks per device as the ring gather.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from jax import lax
 from qcollect._layout import BUCKET_BYTES, plan_segments
 
 __all__ = [
-    "as_varying",
+    "all_gather_invariant",
     "ring_all_gather",
     "ring_all_reduce",
     "ring_bytes_per_device",
@@ -119,6 +124,26 @@ def as_varying(x, axis_name):
             return leaf
 
     return jax.tree.map(cast, x)
+
+
+def all_gather_invariant(x: jax.Array, axis_name) -> jax.Array:
+    """All-gather along the leading axis whose result is invariant along ``axis_name``.
+
+    ``lax.all_gather(x, axis_name, tiled=True, to="invarying")``: device
+    ``r``'s block lands at rows ``[r * c, (r + 1) * c)`` on every device and
+    the type system knows the result is the same everywhere, so it can leave
+    ``shard_map`` with ``out_specs=P()``. Each device sends its block to the
+    ``N - 1`` others, the bytes of a ring all-gather. 16-bit floats travel as
+    their uint16 words (XLA:CPU widens 16-bit float collectives to float32).
+    """
+    x = jnp.asarray(x)
+    if x.ndim == 0:
+        raise ValueError("all_gather_invariant needs x with a leading axis, got a scalar")
+    word = _NARROW_FLOATS.get(jnp.dtype(x.dtype))
+    if word is not None:
+        words = all_gather_invariant(lax.bitcast_convert_type(x, word), axis_name)
+        return lax.bitcast_convert_type(words, x.dtype)
+    return lax.all_gather(as_varying(x, axis_name), axis_name, tiled=True, to="invarying")
 
 
 def chunk_rows(rows: int, n: int) -> int:
@@ -224,15 +249,19 @@ def ring_all_reduce(x, axis_name, *, bucket_bytes: int | None = BUCKET_BYTES):
         one ring per dtype.
 
     Returns:
-      The sum over devices, same structure, shapes and dtypes as ``x``
-      (typed varying along ``axis_name``; see the module docstring).
+      The sum over devices, same structure, shapes and dtypes as ``x``,
+      invariant along ``axis_name`` (see the module docstring).
 
     Example:
       >>> import functools, jax, jax.numpy as jnp, qcollect as qc
       >>> from jax.sharding import PartitionSpec as P
       >>> mesh = jax.make_mesh((jax.device_count(),), ("d",))
       >>> f = jax.shard_map(lambda v: qc.ring_all_reduce(v, "d"), mesh=mesh,
-      ...                   in_specs=P("d"), out_specs=P("d"))
+      ...                   in_specs=P("d"), out_specs=P())
+      >>> x = jax.device_put(jnp.ones(jax.device_count() * 3),
+      ...                    jax.NamedSharding(mesh, P("d")))
+      >>> jax.jit(f)(x).tolist() == [float(jax.device_count())] * 3
+      True
     """
     leaves, treedef = jax.tree.flatten(x)
     leaves = [jnp.asarray(leaf) for leaf in leaves]
@@ -241,7 +270,9 @@ def ring_all_reduce(x, axis_name, *, bucket_bytes: int | None = BUCKET_BYTES):
     for seg in plan_segments(leaves, n=n, bucket_bytes=bucket_bytes):
         flat = seg.chunks(leaves).reshape(-1)
         if flat.shape[0]:
-            flat = ring_all_gather(ring_reduce_scatter(flat, axis_name), axis_name)
+            flat = all_gather_invariant(ring_reduce_scatter(flat, axis_name), axis_name)
+        else:
+            flat = jnp.zeros(flat.shape, flat.dtype)
         for m, leaf in zip(seg.members, seg.leaves(flat.reshape(n, -1)), strict=True):
             out[m] = leaf
     return treedef.unflatten(out)

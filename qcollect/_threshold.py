@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from qcollect._config import check_float, check_floating_input
 from qcollect._golomb import check_coding, decode_entries, encode_entries
-from qcollect._payload import Compressor, Payload, check_format
+from qcollect._payload import Compressor, Payload, check_format, settings
 from qcollect._sparse import (
     check_capacity,
     check_size,
@@ -118,5 +118,7 @@ def threshold(tau: float, *, capacity: int | float = 1 / 32, coding: str = "word
         flat = scatter_decode(payload["header"], size, idx, values)
         return flat.reshape(payload.shape).astype(payload.dtype)
 
-    return Compressor(name, encode, decode, linear=False, stochastic=False)
+    return Compressor(name, encode, decode, linear=False, stochastic=False,
+                      settings=settings(tau=tau, capacity=capacity, coding=coding,
+                                        rice_k=rice_k))
 

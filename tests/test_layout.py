@@ -141,7 +141,7 @@ def test_every_layout_round_trips(shapes, grouping, block, n, cap):
 
 def _collectives(fn, *args):
     return sum(op.multiplicity for op in qc.wire_report(fn, *args)
-               if op.op == "collective-permute")
+               if op.op in ("collective-permute", "all-gather"))
 
 
 def test_bucket_cap_splits_collectives_not_results():
@@ -164,10 +164,10 @@ def test_bucket_cap_splits_collectives_not_results():
                 np.testing.assert_allclose(np.asarray(out[name]), np.asarray(exact[name]),
                                            rtol=1e-5, atol=1e-5)
         counts[cap] = _collectives(per_device(ring, n), tree)
-    # One ring (2 (N - 1) shifts) for everything, or one for the 16 KiB leaf
-    # and one for the two small leaves together.
-    assert counts[None] == 2 * (n - 1)
-    assert counts[1 << 10] == 2 * 2 * (n - 1)
+    # One ring (N - 1 shifts and an all-gather) for everything, or one for the
+    # 16 KiB leaf and one for the two small leaves together.
+    assert counts[None] == n
+    assert counts[1 << 10] == 2 * n
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])

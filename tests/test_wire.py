@@ -48,7 +48,7 @@ def test_compressed_bytes_are_payload_bytes(n, compressor, ratio):
 
 def test_loops_count_their_trips():
     n = 8
-    ops = qc.wire_report(per_device(lambda v: qc.ring_all_reduce(v, "d"), n).mapped,
+    ops = qc.wire_report(per_device(lambda v: qc.ring_reduce_scatter(v, "d"), n).mapped,
                          *per_device(lambda v: v, n).shard(jnp.zeros((n, 800))))
     assert {op.multiplicity for op in ops} == {n - 1}
     assert all(op.op == "collective-permute" and op.operand_bytes == 400 for op in ops)

@@ -1,28 +1,33 @@
 """transforms: optax GradientTransformations built on qcollect's public API.
 
 Installed by the qcollect distribution (``pip install "qcollect[optax]"``).
+
+Every transformation takes the data axis first, positionally, and every
+setting by keyword: ``compressed_all_reduce("data", compressor=..., key=...)``.
+Parameters and optimizer moments stay replicated (``P()``); only error-feedback
+residuals are per device (`state_specs`, `init_sharded`).
 """
 
-from transforms._allreduce import CompressedAllReduceState, compressed_allreduce
+from transforms._allreduce import CompressedAllReduceState, compressed_all_reduce
 from transforms._averaging import ModelAveragingState, compressed_model_averaging
+from transforms._checkpoint import restore_sharded
 from transforms._gradiveq import GradiVeQState, gradiveq
 from transforms._policy import compressed_fraction, leaf_compressors
 from transforms._powersgd import PowerSGDState, powersgd
-from transforms._sharding import first, local, replicate, unlocal
+from transforms._sharding import init_sharded, state_specs
 
 __all__ = [
     "CompressedAllReduceState",
     "GradiVeQState",
     "ModelAveragingState",
     "PowerSGDState",
-    "compressed_allreduce",
+    "compressed_all_reduce",
     "compressed_fraction",
     "compressed_model_averaging",
-    "first",
     "gradiveq",
+    "init_sharded",
     "leaf_compressors",
-    "local",
     "powersgd",
-    "replicate",
-    "unlocal",
+    "restore_sharded",
+    "state_specs",
 ]

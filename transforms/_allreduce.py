@@ -1,4 +1,4 @@
-"""`compressed_allreduce`: an optax transformation that all-reduces gradients
+"""`compressed_all_reduce`: an optax transformation that all-reduces gradients
 through a qcollect compressor, with error feedback.
 """
 
@@ -14,22 +14,30 @@ from jax import lax
 
 import qcollect as qc
 from transforms._policy import CompressorSpec, leaf_compressors
+from transforms._sharding import (
+    all_finite,
+    as_block,
+    check_local_gradients,
+    device_block,
+    keep_if_finite,
+)
 
 
 class CompressedAllReduceState(NamedTuple):
-    """State of `compressed_allreduce` (per device; see `transforms.replicate`).
+    """State of `compressed_all_reduce`.
 
     Attributes:
-      residual: float32 tree like the gradients: what error feedback still
-        owes, ``input - contributed`` (Seide; Grubic Alg. 2 line 4). Leaves
-        that are not compressed, or all of them without error feedback, hold
-        empty ``(0,)`` arrays.
-      owner_residual: with ``algorithm="pairwise"``, the owner's re-encoding
-        error (two-level error feedback, as DeepSpeed's server error); else
-        empty arrays.
-      key: PRNG key; step ``t`` uses ``fold_in(key, t)``, then the collective
-        folds in the device index.
-      count: int32 step count.
+      residual: per device (``P(axis_name)``, see `transforms.state_specs`):
+        float32 tree like the gradients, what error feedback still owes,
+        ``input - contributed`` (Seide; Grubic Alg. 2 line 4). Leaves that
+        are not compressed, or all of them without error feedback, are
+        ``optax.MaskedNode()``.
+      owner_residual: per device: with ``algorithm="pairwise"``, the owner's
+        re-encoding error (two-level error feedback, as DeepSpeed's server
+        error); else ``optax.MaskedNode()`` leaves.
+      key: PRNG key (replicated); step ``t`` uses ``fold_in(key, t)``, then
+        the collective folds in the device index.
+      count: int32 step count (replicated).
     """
 
     residual: Any
@@ -37,39 +45,39 @@ class CompressedAllReduceState(NamedTuple):
     key: jax.Array
     count: jax.Array
 
-
-_EMPTY = (0,)
-
-
-def _empty_like_or(leaf, keep: bool):
-    return jnp.zeros(jnp.shape(leaf), jnp.float32) if keep else jnp.zeros(_EMPTY, jnp.float32)
+    per_device_fields = ("residual", "owner_residual")
 
 
-def all_finite(tree) -> jax.Array:
-    leaves = jax.tree.leaves(tree)
-    if not leaves:
-        return jnp.array(True)
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))
+def _zeros_or_masked(leaf, keep: bool):
+    return jnp.zeros(jnp.shape(leaf), jnp.float32) if keep else optax.MaskedNode()
 
 
-def compressed_allreduce(compressor: CompressorSpec, axis_name, *, key: jax.Array,
-                         mean: bool = True, error_feedback: bool = True,
-                         algorithm: str = "auto", min_size: int = 0,
-                         compress_if: Callable | None = None,
-                         fuse: bool = True, bucket_bytes: int | None = qc.BUCKET_BYTES
-                         ) -> optax.GradientTransformation:
+def compressed_all_reduce(axis_name, *, compressor: CompressorSpec, key: jax.Array,
+                          mean: bool = True, error_feedback: bool = True,
+                          algorithm: str = "auto", min_size: int = 0,
+                          compress_if: Callable | None = None,
+                          fuse: bool = True, bucket_bytes: int | None = qc.BUCKET_BYTES
+                          ) -> optax.GradientTransformation:
     """All-reduce the gradients through ``compressor``, with error feedback.
 
     Each step, on every device: ``input = g + residual`` (float32); the
     compressed leaves are summed by `qcollect.compressed_all_reduce` (leaves
-    sharing a compressor ride together in segments of up to 4 MiB per dtype, each
-    leaf keeping its own buckets, columns or ranges), the others by
-    ``lax.psum``; ``residual = input - contributed``, where ``contributed`` is
-    what this device's own encodings decode to (Seide; Grubic et al.
-    Algorithm 2). With ``algorithm="pairwise"`` the owner's re-encoding error
-    is kept too and added before the next re-encoding (two-level error
-    feedback, like the worker and server errors of DeepSpeed's 1-bit Adam).
-    The update is the mean (or sum) over devices, in the gradients' dtypes.
+    with equal compressors ride together in segments of up to 4 MiB per
+    dtype, each leaf keeping its own buckets, columns or ranges), the others
+    by ``lax.psum``; ``residual = input - contributed``, where
+    ``contributed`` is what this device's own encodings decode to (Seide;
+    Grubic et al. Algorithm 2). With ``algorithm="pairwise"`` the owner's
+    re-encoding error is kept too and added before the next re-encoding
+    (two-level error feedback, like the worker and server errors of
+    DeepSpeed's 1-bit Adam). The update is the mean (or sum) over devices,
+    in the gradients' dtypes, and is invariant along ``axis_name``: apply it
+    to replicated (``P()``) parameters. The residuals are the only per-device
+    state (`transforms.state_specs`, `transforms.init_sharded`).
+
+    Gradients must be this device's own: under ``shard_map``, differentiate
+    with respect to ``jax.lax.pcast(params, axis_name, to="varying")``
+    (``jax.grad`` with respect to replicated parameters returns gradients
+    already summed by an uncompressed ``psum``; that raises ValueError).
 
     Non-finite gradients: every compressor turns NaN/Inf into non-finite
     output, so if any device's gradient is non-finite the reduced update is
@@ -80,11 +88,10 @@ def compressed_allreduce(compressor: CompressorSpec, axis_name, *, key: jax.Arra
     disagree on whether to run the collectives.)
 
     Args:
-      compressor: a qcollect `Compressor`, or ``f(path, leaf) -> Compressor |
-        None`` to choose per leaf (None: uncompressed). Leaves are fused per
-        compressor object, so such a function should return the same object
-        (built once, outside it) for leaves that should ride together.
       axis_name: the data-parallel axis (``shard_map`` or ``pmap``).
+      compressor: a qcollect `Compressor`, or ``f(path, leaf) -> Compressor |
+        None`` to choose per leaf (None: uncompressed). Leaves whose
+        compressors are equal (same settings) are fused.
       key: PRNG key for stochastic compressors (the same on every device).
       mean: average over devices (default) rather than sum.
       error_feedback: keep residuals (default True).
@@ -92,7 +99,9 @@ def compressed_allreduce(compressor: CompressorSpec, axis_name, *, key: jax.Arra
         ``"ring_requantize"``; see `qcollect.compressed_all_reduce`.
       min_size: leaves with fewer values go uncompressed (Grubic: quantize
         >= 99% of the parameters; small biases ride along in full precision).
-      compress_if: optional predicate ``(path, leaf) -> bool``.
+      compress_if: optional predicate ``(path, leaf) -> bool``. To give
+        other leaves another transformation altogether, use
+        ``optax.partition``.
       fuse: let leaves of one compressor share collectives (per dtype);
         never changes a leaf's statistics.
       bucket_bytes: cap of a fused segment (default 4 MiB); larger leaves are
@@ -103,19 +112,25 @@ def compressed_allreduce(compressor: CompressorSpec, axis_name, *, key: jax.Arra
       An ``optax.GradientTransformation``; ``update(grads, state, params=None)``.
 
     Example:
-      >>> import jax, optax, qcollect as qc, transforms
+      >>> import jax, jax.numpy as jnp, optax, qcollect as qc, transforms
       >>> tx = optax.chain(
-      ...     transforms.compressed_allreduce(qc.qsgd(bits=4), "data",
-      ...                                     key=jax.random.key(0)),
+      ...     transforms.compressed_all_reduce("data", compressor=qc.qsgd(bits=4),
+      ...                                      key=jax.random.key(0)),
       ...     optax.adam(1e-3))
+      >>> state = tx.init({"w": jnp.zeros((4, 4)), "b": jnp.zeros(4)})
+      >>> state[0].residual["w"].shape
+      (4, 4)
     """
     if algorithm not in ("auto",) + qc.ALGORITHMS:
         raise ValueError(f"algorithm must be one of {('auto',) + qc.ALGORITHMS}, got {algorithm!r}")
     if bucket_bytes is not None and (isinstance(bucket_bytes, bool)
                                      or not isinstance(bucket_bytes, int) or bucket_bytes < 0):
         raise ValueError(f"bucket_bytes must be None or an integer >= 0, got {bucket_bytes!r}")
-    if not isinstance(min_size, int) or min_size < 0:
+    if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
         raise ValueError(f"min_size must be an integer >= 0, got {min_size!r}")
+    if not (isinstance(compressor, qc.Compressor) or callable(compressor)):
+        raise ValueError(f"compressor must be a qcollect Compressor or a function "
+                         f"(path, leaf) -> Compressor | None, got {compressor!r}")
     pairwise = algorithm == "pairwise"
 
     def plan(grads):
@@ -125,20 +140,27 @@ def compressed_allreduce(compressor: CompressorSpec, axis_name, *, key: jax.Arra
         comps = plan(params)
         leaves, treedef = jax.tree.flatten(params)
         keep = [error_feedback and c is not None for c in comps]
-        residual = treedef.unflatten([_empty_like_or(p, k) for p, k in zip(leaves, keep,
-                                                                            strict=True)])
-        owner = treedef.unflatten([_empty_like_or(p, k and pairwise)
+        residual = treedef.unflatten([_zeros_or_masked(p, k)
+                                      for p, k in zip(leaves, keep, strict=True)])
+        owner = treedef.unflatten([_zeros_or_masked(p, k and pairwise)
                                    for p, k in zip(leaves, keep, strict=True)])
         return CompressedAllReduceState(residual, owner, key, jnp.zeros([], jnp.int32))
 
     def update(grads, state, params=None):
         del params
+        check_local_gradients(grads, axis_name)
         comps = plan(grads)
         leaves, treedef = jax.tree.flatten(grads)
-        residuals = treedef.flatten_up_to(state.residual)
-        owners = treedef.flatten_up_to(state.owner_residual)
+        stored = treedef.flatten_up_to(state.residual)
+        stored_owner = treedef.flatten_up_to(state.owner_residual)
+        residuals = [None if isinstance(r, optax.MaskedNode)
+                     else device_block(r, g, axis_name, "the error-feedback residual")
+                     for r, g in zip(stored, leaves, strict=True)]
+        owners = [None if isinstance(r, optax.MaskedNode)
+                  else device_block(r, g, axis_name, "the owner residual")
+                  for r, g in zip(stored_owner, leaves, strict=True)]
         step_key = jax.random.fold_in(state.key, state.count)
-        inputs = [leaf.astype(jnp.float32) + r if r.size else leaf
+        inputs = [leaf if r is None else leaf.astype(jnp.float32) + r
                   for leaf, r in zip(leaves, residuals, strict=True)]
 
         out = [None] * len(leaves)
@@ -147,10 +169,7 @@ def compressed_allreduce(compressor: CompressorSpec, axis_name, *, key: jax.Arra
         groups: dict[qc.Compressor, list[int]] = {}
         for i, c in enumerate(comps):
             if c is None:
-                reduce = lax.pmean if mean else lax.psum
-                # Varying like the compressed leaves, so downstream state and
-                # lax.cond branches see one type for the whole update.
-                out[i] = qc.as_varying(reduce(inputs[i], axis_name), axis_name)
+                out[i] = (lax.pmean if mean else lax.psum)(inputs[i], axis_name)
             else:
                 groups.setdefault(c, []).append(i)
         for g, (c, members) in enumerate(groups.items()):
@@ -169,12 +188,15 @@ def compressed_allreduce(compressor: CompressorSpec, axis_name, *, key: jax.Arra
         # Non-finite anywhere makes the reduced update non-finite everywhere,
         # so this flag agrees across devices without another collective.
         finite = all_finite(out)
-        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+
+        def stored_like(new, old, blocks):
+            return treedef.unflatten([
+                b if o is None else as_block(keep_if_finite(finite, n, o), b)
+                for n, o, b in zip(new, old, blocks, strict=True)])
+
         new_state = CompressedAllReduceState(
-            residual=treedef.unflatten([keep(n, o) for n, o in zip(new_res, residuals,
-                                                                    strict=True)]),
-            owner_residual=treedef.unflatten([keep(n, o) for n, o in zip(new_owner, owners,
-                                                                          strict=True)]),
+            residual=stored_like(new_res, residuals, stored),
+            owner_residual=stored_like(new_owner, owners, stored_owner),
             key=state.key,
             count=state.count + 1,
         )

@@ -13,12 +13,13 @@ from jax import lax
 
 import qcollect as qc
 from transforms._policy import CompressorSpec, leaf_compressors
+from transforms._sharding import to_varying
 
 __all__ = ["ModelAveragingState", "compressed_model_averaging"]
 
 
 class ModelAveragingState(NamedTuple):
-    """State of `compressed_model_averaging` (per device; see `transforms.replicate`).
+    """State of `compressed_model_averaging` (the same on every device).
 
     Attributes:
       count: int32 step count; step ``t`` averages when ``(t + 1) % every_k == 0``.
@@ -115,9 +116,12 @@ def compressed_model_averaging(axis_name, *, every_k: int, key: jax.Array,
     (wrapping this one would let devices disagree on running the collectives).
 
     Args:
-      axis_name: the data-parallel axis (``shard_map`` or ``pmap``). Params
-        and state are per device (leading device axis, `transforms.replicate`
-        and `transforms.local`), since replicas diverge between averages.
+      axis_name: the data-parallel axis (``shard_map`` or ``pmap``). Unlike
+        gradient all-reduce, the replicas' parameters (and the inner
+        optimizer's state) really differ between averages, so they are per
+        device: stacked along a leading device axis as ``jax.pmap`` code
+        does (``P(axis_name)`` under ``shard_map``, each device taking its
+        block).
       every_k: average every ``every_k`` steps, an integer >= 1 (1: average
         the weights after every step).
       key: PRNG key (the same on every device) for stochastic compressors
@@ -188,11 +192,11 @@ def compressed_model_averaging(axis_name, *, every_k: int, key: jax.Array,
                     algorithm="pairwise", mean=True, fuse=False)
                 for j, i in enumerate(members):
                     avg[i] = result.value[j].astype(jnp.float32)
-            return [qc.as_varying((a - w.astype(jnp.float32)).astype(u.dtype), axis_name)
-                    for a, w, u in zip(avg, ws, ups, strict=True)]
+            return to_varying([(a - w.astype(jnp.float32)).astype(u.dtype)
+                               for a, w, u in zip(avg, ws, ups, strict=True)], axis_name)
 
         def passthrough(operands):
-            return [qc.as_varying(u, axis_name) for u in operands[0]]
+            return to_varying(list(operands[0]), axis_name)
 
         averaging = (state.count + 1) % every_k == 0  # equal on every device
         out = lax.cond(averaging, average, passthrough, (leaves, weights))

@@ -16,21 +16,30 @@ import optax
 from jax import lax
 
 import qcollect as qc
-from transforms._allreduce import all_finite
+from transforms._sharding import (
+    all_finite,
+    as_block,
+    check_local_gradients,
+    device_block,
+    keep_if_finite,
+)
 
 #: Default compressor of the warm-up and sampling steps (section 3: QSGD).
 _QSGD4 = qc.qsgd(bits=4)
 
 
 class GradiVeQState(NamedTuple):
-    """State of `gradiveq` (per device; see `transforms.replicate`).
+    """State of `gradiveq`.
 
-    Leaves that are not compressed hold empty ``(0,)`` arrays in every
-    per-leaf field.
+    Leaves that are not compressed are ``optax.MaskedNode()`` in every
+    per-leaf field. Only ``residual`` differs per device (``P(axis_name)``,
+    see `transforms.state_specs`); every other field is computed from
+    aggregated data and is the same on every device.
 
     Attributes:
-      residual: float32 tree like the gradients: what error feedback still
-        owes, ``input - contributed`` (empty without error feedback).
+      residual: per device: float32 tree like the gradients, what error
+        feedback still owes, ``input - contributed`` (``MaskedNode`` without
+        error feedback).
       samples: per compressed leaf, float32 ``(L_t, s * K)``: slot ``i`` holds
         the ``s`` sampled slices of the aggregated (summed over devices)
         gradient of the ``i``-th sampling step of the current cycle.
@@ -59,16 +68,14 @@ class GradiVeQState(NamedTuple):
     count: jax.Array
     cycle_start: jax.Array
 
+    per_device_fields = ("residual",)
+
 
 class _Leaf(NamedTuple):
     slice_size: int    # K
     columns: int       # r, static basis width
     sampled: int       # s, slices sampled per step
     num_slices: int    # full slices in the leaf
-
-
-def _empty(dtype=jnp.float32):
-    return jnp.zeros((0,), dtype)
 
 
 def _check_int(name, value, low, high=None):
@@ -89,7 +96,7 @@ def _sample_rows(flat, leaf: _Leaf):
 def _aggregate_sampled(xs, axis_name, compressor, key, algorithm):
     """Sum over devices through the sample compressor (or exactly): (sums, contributed)."""
     if compressor is None:
-        sums = [qc.as_varying(lax.psum(x, axis_name), axis_name) for x in xs]
+        sums = [lax.psum(x, axis_name) for x in xs]
         return sums, list(xs), jnp.zeros((), jnp.int32)
     result = qc.compressed_all_reduce(xs, axis_name, compressor, key, algorithm=algorithm)
     return (list(result.value), [c.astype(jnp.float32) for c in result.contributed],
@@ -304,12 +311,12 @@ def gradiveq(axis_name, *, key: jax.Array, slice_size: int | Callable,
         leaves, treedef = jax.tree.flatten(params)
         plans = plan(params)
 
-        def per_leaf(fn, empty=jnp.float32):
-            return treedef.unflatten([fn(p, lf) if p is not None else _empty(empty)
+        def per_leaf(fn):
+            return treedef.unflatten([fn(p, lf) if p is not None else optax.MaskedNode()
                                       for p, lf in zip(plans, leaves, strict=True)])
 
         residual = per_leaf(lambda p, lf: jnp.zeros(jnp.shape(lf), jnp.float32)
-                            if error_feedback else _empty())
+                            if error_feedback else optax.MaskedNode())
         return GradiVeQState(
             residual=residual,
             samples=per_leaf(lambda p, lf: jnp.zeros((sample_steps, p.sampled * p.slice_size),
@@ -317,15 +324,15 @@ def gradiveq(axis_name, *, key: jax.Array, slice_size: int | Callable,
             valid=jnp.zeros((sample_steps,), jnp.bool_),
             basis=per_leaf(lambda p, lf: jnp.zeros((p.slice_size, p.columns), jnp.float32)),
             mean=per_leaf(lambda p, lf: jnp.zeros((p.slice_size,), jnp.float32)),
-            rank=per_leaf(lambda p, lf: jnp.zeros((), jnp.int32), jnp.int32),
+            rank=per_leaf(lambda p, lf: jnp.zeros((), jnp.int32)),
             key=key,
             count=jnp.zeros([], jnp.int32),
             cycle_start=jnp.full([], warmup_steps, jnp.int32),
         )
 
-    def fit(samples, valid, plans, old_ranks):
+    def fit(samples, valid, plans):
         out_basis, out_mean, out_rank = [], [], []
-        for buf, p, old in zip(samples, plans, old_ranks, strict=True):
+        for buf, p in zip(samples, plans, strict=True):
             rows = _fill_invalid(buf, valid)
             if rank is not None:
                 result = qc.pca_fit(rows, slice_size=p.slice_size, rank=rank, slices="all")
@@ -334,17 +341,21 @@ def gradiveq(axis_name, *, key: jax.Array, slice_size: int | Callable,
                                     max_rank=p.columns, slices="all")
             out_basis.append(result.basis.astype(jnp.float32))
             out_mean.append(result.mean.astype(jnp.float32))
-            # ``old * 0 +`` keeps the per-device (varying) type of the state.
-            out_rank.append(old * 0 + jnp.asarray(result.rank, jnp.int32))
+            out_rank.append(jnp.asarray(result.rank, jnp.int32))
         return out_basis, out_mean, out_rank
 
     def update(grads, state, params=None):
         del params
+        check_local_gradients(grads, axis_name)
         leaves, treedef = jax.tree.flatten(grads)
         plans = plan(grads)
         n = int(lax.axis_size(axis_name))
         flat = {name: treedef.flatten_up_to(getattr(state, name))
                 for name in ("residual", "samples", "basis", "mean", "rank")}
+        stored = flat["residual"]
+        flat["residual"] = [r if isinstance(r, optax.MaskedNode)
+                            else device_block(r, g, axis_name, "the error-feedback residual")
+                            for r, g in zip(stored, leaves, strict=True)]
         idx = [i for i, p in enumerate(plans) if p is not None]
         cplans = [plans[i] for i in idx]
         count = state.count
@@ -389,8 +400,8 @@ def gradiveq(axis_name, *, key: jax.Array, slice_size: int | Callable,
             write = sampling & finite
             for j, i in enumerate(idx):
                 if error_feedback:
-                    new["residual"][i] = jnp.where(finite, xs[j] - contributed[j],
-                                                   flat["residual"][i])
+                    new["residual"][i] = as_block(keep_if_finite(
+                        finite, xs[j] - contributed[j], flat["residual"][i]), stored[i])
                 rows = _sample_rows(sums[j].reshape(-1), cplans[j])
                 written = lax.dynamic_update_index_in_dim(flat["samples"][i], rows, slot, 0)
                 new["samples"][i] = jnp.where(write, written, flat["samples"][i])
@@ -399,7 +410,7 @@ def gradiveq(axis_name, *, key: jax.Array, slice_size: int | Callable,
             old = ([flat["basis"][i] for i in idx], [flat["mean"][i] for i in idx],
                    [flat["rank"][i] for i in idx])
             fitted = lax.cond(do_fit, lambda: fit([new["samples"][i] for i in idx], valid,
-                                                  cplans, old[2]), lambda: old)
+                                                  cplans), lambda: old)
             for name, vals in zip(("basis", "mean", "rank"), fitted, strict=True):
                 for j, i in enumerate(idx):
                     new[name][i] = vals[j]

@@ -24,20 +24,27 @@ import optax
 from jax import lax
 
 import qcollect as qc
-from transforms._allreduce import all_finite
+from transforms._sharding import (
+    all_finite,
+    as_block,
+    check_local_gradients,
+    device_block,
+    keep_if_finite,
+)
 
 
 class PowerSGDState(NamedTuple):
-    """State of `powersgd` (per device; see `transforms.replicate`).
+    """State of `powersgd`.
 
     Attributes:
-      residuals: float32 tree like the gradients: each compressed leaf's local
-        error ``M_i - M^`` (PyTorch's ``error_dict``). Leaves that are not
-        compressed, or all of them without error feedback, hold empty
-        ``(0,)`` arrays.
-      q: float32 tree like the gradients: each compressed leaf's ``Q`` memory,
-        ``(m, r)`` for its ``(n, m)`` matrix view (``matrix_view``; PyTorch's
-        ``q_memory_dict``); the same on every device. Empty ``(0,)`` arrays
+      residuals: per device (``P(axis_name)``, see `transforms.state_specs`):
+        float32 tree like the gradients, each compressed leaf's local error
+        ``M_i - M^`` (PyTorch's ``error_dict``). Leaves that are not
+        compressed, or all of them without error feedback, are
+        ``optax.MaskedNode()``.
+      q: replicated: each compressed leaf's ``Q`` memory, float32 ``(m, r)``
+        for its ``(n, m)`` matrix view (``matrix_view``; PyTorch's
+        ``q_memory_dict``); the same on every device. ``optax.MaskedNode()``
         for leaves that are not compressed, or for all leaves without warm
         start.
       count: int32 step count; steps ``count < start_iter`` are uncompressed.
@@ -52,12 +59,7 @@ class PowerSGDState(NamedTuple):
     count: jax.Array
     key: jax.Array
 
-
-_EMPTY = (0,)
-
-
-def _empty():
-    return jnp.zeros(_EMPTY, jnp.float32)
+    per_device_fields = ("residuals",)
 
 
 def _ring_sum(payloads, axis_name):
@@ -186,9 +188,9 @@ def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = 1_000,
         for i, leaf in enumerate(leaves):
             c = compressed(leaf)
             res.append(jnp.zeros(jnp.shape(leaf), jnp.float32) if c and error_feedback
-                       else _empty())
+                       else optax.MaskedNode())
             qs.append(first_q(jax.random.fold_in(key, i), leaf) if c and warm_start
-                      else _empty())
+                      else optax.MaskedNode())
         return PowerSGDState(treedef.unflatten(res), treedef.unflatten(qs),
                              jnp.zeros([], jnp.int32), key)
 
@@ -197,7 +199,7 @@ def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = 1_000,
 
     def plain(leaves, residuals, qs, count, state_key):
         del count, state_key
-        return [qc.as_varying(reduce(g), axis_name) for g in leaves], residuals, qs
+        return [reduce(g) for g in leaves], residuals, qs
 
     def power(leaves, residuals, qs, count, state_key):
         n_dev = lax.axis_size(axis_name)
@@ -207,7 +209,7 @@ def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = 1_000,
         members, mats, factors = [], [], []
         for i, g in enumerate(leaves):
             if not compressed(g):
-                out[i] = qc.as_varying(reduce(g), axis_name)
+                out[i] = reduce(g)
                 continue
             mat = jnp.asarray(g, jnp.float32)  # kept in the leaf's shape
             if error_feedback:
@@ -236,9 +238,14 @@ def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = 1_000,
 
     def update(grads, state, params=None):
         del params
+        check_local_gradients(grads, axis_name)
         leaves, treedef = jax.tree.flatten(grads)
-        residuals = treedef.flatten_up_to(state.residuals)
-        qs = treedef.flatten_up_to(state.q)
+        stored = treedef.flatten_up_to(state.residuals)
+        residuals = [None if isinstance(r, optax.MaskedNode)
+                     else device_block(r, g, axis_name, "the PowerSGD local error")
+                     for r, g in zip(stored, leaves, strict=True)]
+        qs = [None if isinstance(q, optax.MaskedNode) else q
+              for q in treedef.flatten_up_to(state.q)]
         args = (leaves, residuals, qs, state.count, state.key)
         if start_iter == 0:
             out, new_res, new_q = power(*args)
@@ -247,11 +254,13 @@ def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = 1_000,
             # the same branch and runs the same collectives.
             out, new_res, new_q = lax.cond(state.count < start_iter, plain, power, *args)
         finite = all_finite(out)
-        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+        new_res = [b if o is None else as_block(keep_if_finite(finite, n, o), b)
+                   for n, o, b in zip(new_res, residuals, stored, strict=True)]
+        new_q = [optax.MaskedNode() if o is None else keep_if_finite(finite, n, o)
+                 for n, o in zip(new_q, qs, strict=True)]
         new_state = PowerSGDState(
-            residuals=treedef.unflatten([keep(n, o) for n, o in zip(new_res, residuals,
-                                                                    strict=True)]),
-            q=treedef.unflatten([keep(n, o) for n, o in zip(new_q, qs, strict=True)]),
+            residuals=treedef.unflatten(new_res),
+            q=treedef.unflatten(new_q),
             count=state.count + 1,
             key=state.key,
         )

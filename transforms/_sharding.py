@@ -1,18 +1,29 @@
-"""Per-device state and replicas for `jax.shard_map` and `jax.pmap`.
+"""Where transform state lives on a mesh: replicated, except what differs per device.
 
-Compressed collectives return values that agree on every device but that
-``shard_map``'s type check sees as varying along the data axis (only
-``lax.psum`` yields values it knows to be replicated). Error-feedback
-residuals really do differ per device. So parameters and optimizer state
-travel the pmap way: every leaf has a leading device axis of size N, sharded
-``P(axis_name)``; inside the mapped step each device sees its own block.
+Modern JAX data parallelism keeps parameters and optimizer moments
+replicated, ``P()``, under ``jax.jit`` + ``jax.shard_map``. The all-reduced
+update of every transformation here is invariant along the data axis (the
+collectives end in ``lax.all_gather(..., to="invarying")`` or ``lax.psum``),
+so it applies to replicated parameters directly. Only error-feedback state
+really differs per device: those leaves are *per device* and are stored
+with a leading device axis of size N, sharded ``P(axis_name)``.
 
-* `replicate(tree, mesh, axis_name)`: N copies along a new leading axis,
-  placed ``P(axis_name)`` on ``mesh`` (or, with ``mesh=None``, stacked for
-  `jax.pmap` over ``jax.local_device_count()`` devices).
-* `local(tree)` / `unlocal(tree)`: inside ``shard_map``, drop / restore the
-  leading block axis of size 1.
-* `first(tree)`: the replica of device 0, e.g. for evaluation.
+* `state_specs(state, axis_name)`: the PartitionSpec tree of a state (or
+  of ``jax.eval_shape(tx.init, params)``), for ``shard_map``'s
+  ``in_specs``/``out_specs``.
+* `init_sharded(tx, params, mesh, axis_name)`: ``tx.init(params)`` placed
+  on ``mesh``: per-device leaves ``(N, *shape)`` on ``P(axis_name)``, the
+  rest ``P()``.
+
+A state class marks its per-device fields with a ``per_device_fields``
+class attribute; `state_specs` finds such states anywhere in a tree, so it
+works through ``optax.chain``, ``optax.partition``, ``optax.masked`` and
+``optax.apply_if_finite``.
+
+Inside the mapped step a per-device leaf is this device's block: ``(1,
+*shape)`` under ``shard_map``, ``(*shape)`` under ``jax.pmap`` (where the
+whole state is stacked, pmap-style). The transformations accept both and
+hand back the block shape they received.
 """
 
 from __future__ import annotations
@@ -20,78 +31,197 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["first", "local", "replicate", "unlocal"]
+__all__ = ["init_sharded", "state_specs"]
 
 
-def replicate(tree, mesh=None, axis_name: str | None = None, *, num_devices: int | None = None):
-    """Stacks ``num_devices`` copies of every leaf along a new leading axis.
+def _has_per_device_fields(node) -> bool:
+    return isinstance(node, tuple) and hasattr(type(node), "per_device_fields")
+
+
+def state_specs(state, axis_name):
+    """PartitionSpecs for a transformation state: ``P(axis_name)`` per device, else ``P()``.
 
     Args:
-      tree: pytree of arrays (parameters, ``tx.init(params)``...).
-      mesh: a `jax.sharding.Mesh`; the result is placed ``P(axis_name)``.
-        None: plain stacked arrays for `jax.pmap`.
-      axis_name: the data axis of ``mesh`` (required with a mesh).
-      num_devices: copies; defaults to the mesh axis size, or to
-        ``jax.local_device_count()`` without a mesh.
+      state: a state pytree, e.g. ``tx.init(params)``, the result of
+        `init_sharded`, or ``jax.eval_shape(tx.init, params)``; any optax
+        state may contain qcollect states.
+      axis_name: the data axis of the mesh.
+
+    Returns:
+      A pytree of the same structure with a `jax.sharding.PartitionSpec` per
+      leaf: ``P(axis_name)`` for error-feedback residuals (the fields each
+      state class lists in ``per_device_fields``), ``P()`` for the rest.
 
     Example:
-      >>> import jax, jax.numpy as jnp
+      >>> import jax, jax.numpy as jnp, optax, qcollect as qc, transforms
+      >>> tx = optax.chain(transforms.compressed_all_reduce(
+      ...     "data", compressor=qc.onebit(), key=jax.random.key(0)), optax.sgd(0.1))
+      >>> specs = transforms.state_specs(
+      ...     jax.eval_shape(tx.init, {"w": jnp.zeros((8, 8))}), "data")
+      >>> specs[0].residual["w"], specs[0].count
+      (PartitionSpec('data',), PartitionSpec())
+    """
+
+    def spec(node):
+        if not _has_per_device_fields(node):
+            return P()
+        fields = type(node).per_device_fields
+        return type(node)(*[
+            jax.tree.map(lambda _: P(axis_name), value) if name in fields
+            else state_specs(value, axis_name)
+            for name, value in zip(node._fields, node, strict=True)])
+
+    return jax.tree.map(spec, state, is_leaf=_has_per_device_fields)
+
+
+def init_sharded(tx: optax.GradientTransformation, params, mesh, axis_name):
+    """``tx.init(params)`` placed on ``mesh``: residuals per device, the rest replicated.
+
+    Per-device leaves get a leading axis of size ``mesh.shape[axis_name]``
+    (every device starts from the same value, zeros for residuals) and are
+    sharded ``P(axis_name)``; every other leaf is ``P()``. Works across
+    processes (each process fills its own devices; all must pass equal
+    ``params``).
+
+    Args:
+      tx: any optax transformation (a chain containing qcollect transforms).
+      params: the parameters (replicated arrays or host values).
+      mesh: a `jax.sharding.Mesh` with axis ``axis_name``.
+      axis_name: the data axis.
+
+    Returns:
+      The placed state; `state_specs` of it gives the ``shard_map`` specs.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, qcollect as qc, transforms
       >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
-      >>> params = replicate({"w": jnp.zeros(3)}, mesh, "data")
-      >>> params["w"].shape == (jax.device_count(), 3)
+      >>> tx = transforms.compressed_all_reduce("data", compressor=qc.onebit(),
+      ...                                       key=jax.random.key(0))
+      >>> state = transforms.init_sharded(tx, {"w": jnp.zeros((8, 8))}, mesh, "data")
+      >>> state.residual["w"].shape == (jax.device_count(), 8, 8)
       True
     """
-    if mesh is not None:
-        if axis_name is None:
-            raise ValueError("axis_name is required with a mesh")
-        n = mesh.shape[axis_name] if num_devices is None else num_devices
-    else:
-        n = jax.local_device_count() if num_devices is None else num_devices
-    stacked = jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (n,) + jnp.shape(a)), tree)
-    if mesh is None:
-        return stacked
-    sharding = NamedSharding(mesh, P(axis_name))
-    if jax.process_count() == 1:
-        return jax.device_put(stacked, sharding)
-    return jax.tree.map(lambda a: _global_copies(a, sharding), stacked)
+    if axis_name not in mesh.shape:
+        raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh "
+                         f"{tuple(mesh.shape)}")
+    n = mesh.shape[axis_name]
+    with jax.set_mesh(mesh):
+        state = jax.jit(tx.init)(params)
+    specs = state_specs(state, axis_name)
+
+    def place(leaf, spec):
+        if spec != P():
+            leaf = jnp.broadcast_to(leaf[None], (n,) + jnp.shape(leaf))
+        return _put(leaf, NamedSharding(mesh, spec))
+
+    return jax.tree.map(place, state, specs)
 
 
-def _global_copies(stacked, sharding):
-    """A ``P(axis)`` array over all processes' devices from this process's copy.
+def _put(value, sharding):
+    """``device_put`` that also works when the mesh spans several processes.
 
-    ``device_put`` onto devices of other processes is not allowed, so each
-    process fills its own shards (every process holds the same values).
+    ``device_put`` onto other processes' devices is not allowed, so each
+    process fills its own shards from its copy (equal on every process).
     PRNG key arrays travel as their key data.
     """
-    is_key = jax.dtypes.issubdtype(stacked.dtype, jax.dtypes.prng_key)
-    host = np.asarray(jax.random.key_data(stacked) if is_key else stacked)
+    if jax.process_count() == 1:
+        return jax.device_put(value, sharding)
+    is_key = jax.dtypes.issubdtype(jnp.result_type(value), jax.dtypes.prng_key)
+    host = np.asarray(jax.random.key_data(value) if is_key else value)
     out = jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-    return jax.random.wrap_key_data(out, impl=jax.random.key_impl(stacked)) if is_key else out
+    return jax.random.wrap_key_data(out, impl=jax.random.key_impl(value)) if is_key else out
 
 
-def local(tree):
-    """Inside ``shard_map``: this device's block without its leading axis of size 1."""
-    return jax.tree.map(lambda a: a[0], tree)
+def device_block(stored, like, axis_name, what: str):
+    """A per-device state leaf as this device's value, shaped like ``like``.
 
-
-def unlocal(tree):
-    """Inverse of `local`: adds the leading block axis back for ``out_specs=P(axis)``."""
-    return jax.tree.map(lambda a: jnp.asarray(a)[None], tree)
-
-
-def first(tree):
-    """One replica of a replicated tree (on the host side, e.g. for evaluation).
-
-    Reads the first addressable shard, so it works for arrays sharded
-    ``P(axis_name)`` (where indexing outside jit is not allowed) and across
-    processes.
+    ``stored`` is the block of a ``P(axis_name)`` leaf: ``(1, *shape)`` under
+    ``shard_map``, ``(*shape)`` under ``jax.pmap`` or a plain ``tx.init``
+    state. A block holding several devices' values means the state was made
+    for another device count; that raises instead of silently keeping one.
     """
+    size = int(np.prod(jnp.shape(like), dtype=np.int64))
+    stored_size = int(np.prod(jnp.shape(stored), dtype=np.int64))
+    if stored_size != size:
+        n = int(lax.axis_size(axis_name))
+        if size and stored_size % size == 0 and stored_size > size:
+            saved = n * (stored_size // size)
+            raise ValueError(
+                f"{what} was made for {saved} devices along {axis_name!r}, but this mesh "
+                f"has {n}: each device's block holds {stored_size // size} devices' "
+                f"values. Re-initialise the state for {n} devices (transforms.init_sharded).")
+        raise ValueError(f"{what} has shape {tuple(jnp.shape(stored))}, expected "
+                         f"{tuple(jnp.shape(like))} (or with a leading device axis of 1)")
+    return jnp.reshape(stored, jnp.shape(like))
 
-    def take(a):
-        shards = getattr(a, "addressable_shards", None)
-        return shards[0].data[0] if shards else a[0]
 
-    return jax.tree.map(take, tree)
+def as_block(value, stored):
+    """``value`` back in the block shape ``stored`` arrived in."""
+    return jnp.reshape(value, jnp.shape(stored))
+
+
+def check_local_gradients(grads, axis_name) -> None:
+    """Raises when gradients are already summed over ``axis_name``.
+
+    Under ``shard_map``, ``jax.grad`` with respect to replicated (``P()``)
+    parameters transposes their implicit broadcast into an uncompressed
+    ``psum``: such gradients are invariant along the axis and the compressed
+    all-reduce would sum them a second time. Differentiate with respect to
+    ``lax.pcast(params, axis_name, to="varying")`` to get this device's own
+    gradients. Under ``jax.pmap`` (no such types) nothing is checked.
+    """
+    for path, leaf in jax.tree_util.tree_leaves_with_path(grads):
+        vma = getattr(jax.typeof(leaf), "vma", None)
+        if vma is None or not _binds(axis_name):
+            return
+        if axis_name not in vma and int(np.prod(jnp.shape(leaf))) > 0:
+            raise ValueError(
+                f"the gradient {jax.tree_util.keystr(path) or 'leaf'} is invariant along "
+                f"{axis_name!r}: jax.grad with respect to replicated parameters has "
+                f"already summed it with an uncompressed psum. Differentiate with respect "
+                f"to jax.lax.pcast(params, {axis_name!r}, to='varying') to get each "
+                f"device's own gradients.")
+
+
+def _binds(axis_name) -> bool:
+    """True inside ``shard_map`` over ``axis_name`` with type checking on."""
+    try:
+        lax.axis_size(axis_name)
+    except NameError:
+        return False
+    return True
+
+
+def to_varying(tree, axis_name):
+    """Every leaf typed varying along ``axis_name`` (a no-op under ``jax.pmap``)."""
+
+    def cast(leaf):
+        vma = getattr(jax.typeof(leaf), "vma", None)
+        if vma is None or axis_name in vma or not _binds(axis_name):
+            return leaf
+        return lax.pcast(leaf, axis_name, to="varying")
+
+    return jax.tree.map(cast, tree)
+
+
+def keep_if_finite(finite, new, old):
+    """``new`` where ``finite`` (a scalar bool), else ``old``, leaf by leaf.
+
+    Every transformation here leaves its state as it was on a step whose
+    reduced update is non-finite; the update is non-finite on every device
+    alike, so all devices keep or advance together.
+    """
+    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+
+def all_finite(tree) -> jax.Array:
+    """Scalar bool: every value of every leaf of ``tree`` is finite."""
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        return jnp.array(True)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))
