@@ -1,4 +1,4 @@
-"""Shared test helpers: meshes and shard_map wrappers over the leading axis."""
+"""Shared test helpers: meshes, shard_map wrappers and the data-parallel train steps."""
 
 import functools
 
@@ -35,6 +35,49 @@ def per_device(fn, n: int):
     return run
 
 
+def placed(tx, params, n: int):
+    """Replicated params and ``tx``'s state placed on ``n`` devices (residuals ``P("d")``)."""
+    import transforms
+
+    mesh = mesh_of(n)
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    return params, transforms.init_sharded(tx, params, mesh, "d")
+
+
+def sharded_step(tx, loss_fn, n: int, state, grad_fn=None):
+    """The modern data-parallel step on ``n`` devices, jitted.
+
+    ``step(params, state, x, y) -> (params, state, mean loss, update)``:
+    params and the update replicated ``P()``, the state by
+    `transforms.state_specs`, ``x`` and ``y`` split ``P("d")`` along a
+    leading device axis. Gradients are each device's own (taken at
+    ``lax.pcast(params, to="varying")``); ``grad_fn(p, x, y) -> (loss, g)``
+    replaces ``jax.value_and_grad(loss_fn)``.
+    """
+    import optax
+    from jax import lax
+
+    import transforms
+
+    specs = transforms.state_specs(state, "d")
+    grad_fn = grad_fn or jax.value_and_grad(loss_fn)
+
+    def body(params, state, x, y):
+        loss, g = grad_fn(lax.pcast(params, "d", to="varying"), x[0], y[0])
+        u, state = tx.update(g, state, params)
+        return optax.apply_updates(params, u), state, lax.pmean(loss, "d"), u
+
+    return jax.jit(jax.shard_map(body, mesh=mesh_of(n), in_specs=(P(), specs, P("d"), P("d")),
+                                 out_specs=(P(), specs, P(), P())))
+
+
+def stacked(tree, n: int):
+    """``n`` copies of every leaf along a new leading axis (the ``jax.pmap`` layout)."""
+    import jax.numpy as jnp
+
+    return jax.tree.map(lambda a: jnp.broadcast_to(a, (n,) + jnp.shape(a)), tree)
+
+
 def pmap_train(tx, loss_fn, params, x, y, steps: int, n: int):
     """Trains with ``tx`` under `jax.pmap` on ``n`` devices (leading axis of x, y).
 
@@ -44,16 +87,14 @@ def pmap_train(tx, loss_fn, params, x, y, steps: int, n: int):
     import optax
     from jax import lax
 
-    import transforms
-
     @functools.partial(jax.pmap, axis_name="i", devices=jax.devices()[:n])
     def step(p, s, x, y):
         g = jax.grad(loss_fn)(p, x, y)
         u, s = tx.update(g, s, p)
         return optax.apply_updates(p, u), s, lax.pmean(loss_fn(p, x, y), "i")
 
-    ps = transforms.replicate(params, num_devices=n)
-    st = transforms.replicate(jax.jit(tx.init)(params), num_devices=n)
+    ps = stacked(params, n)
+    st = stacked(jax.jit(tx.init)(params), n)
     losses = []
     for _ in range(steps):
         ps, st, loss = jax.block_until_ready(step(ps, st, x, y))

@@ -7,6 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
 from qcollect._layout import plan_segments
@@ -173,3 +175,29 @@ def test_under_pmap():
                                                       algorithm="pairwise").value,
                    axis_name="i", devices=jax.devices()[:n])(x)
     np.testing.assert_allclose(np.asarray(out)[2], np.asarray(x).sum(0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 3, 4])
+@pytest.mark.parametrize("compressor, algorithm", [
+    (qc.identity(), "ring"), (qc.cast("bfloat16"), "ring"), (qc.qsgd(bits=4), "pairwise"),
+    (qc.onebit(), "ring_requantize")], ids=["identity", "bf16", "qsgd4", "onebit-requantize"])
+def test_results_are_invariant_and_leave_shard_map_replicated(n, compressor, algorithm):
+    """value and ring_all_reduce are typed invariant: out_specs=P() holds them."""
+    mesh = jax.make_mesh((n,), ("d",), devices=jax.devices()[:n])
+    tree = {"odd": jax.random.normal(jax.random.key(0), (n * 7, 5)),
+            "half": jnp.ones((n * 3,), jnp.bfloat16), "empty": jnp.zeros((0,))}
+    tree = jax.device_put(tree, NamedSharding(mesh, P("d")))
+
+    def both(t):
+        value = qc.compressed_all_reduce(t, "d", compressor, jax.random.key(1),
+                                         algorithm=algorithm).value
+        return value, qc.ring_all_reduce(t, "d")
+
+    value, ring = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=P("d"),
+                                        out_specs=P()))(tree)
+    exact = jax.tree.map(lambda a: np.asarray(a, np.float32).reshape(
+        (n, -1) + a.shape[1:]).sum(0), tree)
+    for name in tree:
+        assert value[name].shape == ring[name].shape == exact[name].shape
+        np.testing.assert_allclose(np.asarray(ring[name], np.float32),
+                                   np.asarray(exact[name]), rtol=1e-2, atol=1e-2)
