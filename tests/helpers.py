@@ -71,6 +71,32 @@ def sharded_step(tx, loss_fn, n: int, state, grad_fn=None):
                                  out_specs=(P(), specs, P(), P())))
 
 
+def sharded_update(tx, n: int, state):
+    """``run(grads, state) -> (updates, state)``: ``tx.update`` on ``n`` devices, jitted.
+
+    ``grads`` have a leading device axis (device ``i`` gets ``grads[i]``); the
+    updates come back replicated, the state placed by `transforms.state_specs`.
+    ``run.mapped`` is the jitted function (for `qcollect.wire_bytes`).
+    """
+    import transforms
+
+    specs = transforms.state_specs(state, "d")
+    mesh = mesh_of(n)
+
+    def body(grads, state):
+        return tx.update(jax.tree.map(lambda g: g[0], grads), state)
+
+    mapped = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("d"), specs),
+                                   out_specs=(P(), specs)))
+
+    def run(grads, state):
+        return jax.block_until_ready(mapped(jax.device_put(grads, NamedSharding(mesh, P("d"))),
+                                            state))
+
+    run.mapped = mapped
+    return run
+
+
 def stacked(tree, n: int):
     """``n`` copies of every leaf along a new leading axis (the ``jax.pmap`` layout)."""
     import jax.numpy as jnp

@@ -13,32 +13,23 @@ from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
 import transforms
-from tests.helpers import mesh_of
+from tests.helpers import mesh_of, placed, sharded_update, stacked
 from transforms._gradiveq import _aggregate_pca, _aggregate_sampled
 
 N = 8
 K = 10
 
 
-def _grad_stepper(tx):
-    """Jitted shard_map step taking per-device gradients: (update, state)."""
-    mesh = mesh_of(N)
-
-    @jax.jit
-    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
-    def step(grads, state):
-        g, s = transforms.local((grads, state))
-        u, s = tx.update(g, s)
-        return transforms.unlocal((u, s))
-
-    return step, mesh
-
-
-def _first(tree):
-    """Device 0's copy, on the host (PRNG keys are left as they are)."""
+def _host(tree):
+    """The state on the host (PRNG keys are left as they are); per-device leaves
+    keep their leading device axis, the rest is replicated."""
     def one(a):
-        return a if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) else np.asarray(a)[0]
+        return a if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) else np.asarray(a)
     return jax.tree.map(one, tree)
+
+
+def _init(tx, params):
+    return transforms.init_sharded(tx, params, mesh_of(N), "d")
 
 
 def _grads(seed):
@@ -73,22 +64,22 @@ def test_phases_updates_and_fit_match_reference():
                              warmup_steps=warmup, sample_steps=lt, compressed_steps=lc,
                              sample_slices=2, sample_compressor=None)
     params = jax.tree.map(lambda a: a[0], _grads(0))
-    step, mesh = _grad_stepper(tx)
-    st = transforms.replicate(tx.init(params), mesh, "d")
+    st = _init(tx, params)
+    step = sharded_update(tx, N, st)
     res = {k: np.zeros((N,) + params[k].shape, np.float32) for k in ("w", "v")}
     buf = {k: np.zeros((lt, 2 * K), np.float32) for k in ("w", "v")}
     basis = mean = None
     for t in range(12):  # second fit at step 10, step 11 uses it
         g = _grads(t + 1)
-        u, st = jax.block_until_ready(step(jax.device_put(g, NamedSharding(mesh, P("d"))), st))
+        u, st = step(g, st)
         u = jax.tree.map(np.asarray, u)
         since = t - warmup
         pos = since % (lt + lc) if since >= 0 else -1
         compressed = since >= 0 and pos >= lt
-        s0 = _first(st)
+        s0 = _host(st)
         assert int(s0.count) == t + 1
         assert int(s0.cycle_start) == (warmup if t < 7 else 8)
-        np.testing.assert_allclose(u["b"][0], np.mean(g["b"], 0), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(u["b"], np.mean(g["b"], 0), rtol=1e-5, atol=1e-6)
         for k in ("w", "v"):
             x = np.asarray(g[k]) + res[k]
             if compressed:
@@ -96,8 +87,7 @@ def test_phases_updates_and_fit_match_reference():
             else:
                 contrib = x
             expected = contrib.mean(0)
-            for n in range(N):  # every device holds the same update
-                np.testing.assert_allclose(u[k][n], expected, rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(u[k], expected, rtol=1e-4, atol=1e-4)
             res[k] = x - contrib
             np.testing.assert_allclose(np.asarray(st.residual[k]), res[k], rtol=1e-4, atol=1e-4)
             if 0 <= pos < lt:  # sampled: slices 0 and num_slices // 2 of the sum
@@ -125,13 +115,12 @@ def test_stop_early_on_local_compression_loss(stop_loss):
     tx = transforms.gradiveq("d", key=jax.random.key(0), slice_size=K, rank=2,
                              sample_steps=2, compressed_steps=5, sample_compressor=None,
                              stop_loss=stop_loss)
-    step, mesh = _grad_stepper(tx)
-    st = transforms.replicate(tx.init(jax.tree.map(lambda a: a[0], _grads(0))), mesh, "d")
+    st = _init(tx, jax.tree.map(lambda a: a[0], _grads(0)))
+    step = sharded_update(tx, N, st)
     starts = []
     for t in range(8):
-        g = jax.device_put(_grads(t + 1), NamedSharding(mesh, P("d")))
-        _, st = jax.block_until_ready(step(g, st))
-        starts.append(int(_first(st).cycle_start))
+        _, st = step(_grads(t + 1), st)
+        starts.append(int(_host(st).cycle_start))
     if stop_loss is None:
         assert starts == [0] * 6 + [7, 7]
     else:  # compressed at step 2, stop; sampling 3-4, compressed at 5, stop
@@ -191,21 +180,20 @@ def _ls_loss(p, x, y):
 def _train(tx, steps, nan_at=()):
     params, x, y = _ls_problem()
     mesh = mesh_of(N)
+    ps, st = placed(tx, params, N)
+    specs = transforms.state_specs(st, "d")
 
     @jax.jit
-    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("d"),
-                       out_specs=(P("d"), P("d"), P()))
-    def step(ps, st, x, y, poison):
-        p, s, x, y, poison = transforms.local((ps, st, x, y, poison))
-        loss, g = jax.value_and_grad(_ls_loss)(p, x, y)
-        g = jax.tree.map(lambda a: a + poison, g)
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs) + (P("d"),) * 3,
+                       out_specs=(P(), specs, P()))
+    def step(p, s, x, y, poison):
+        loss, g = jax.value_and_grad(_ls_loss)(lax.pcast(p, "d", to="varying"), x[0], y[0])
+        g = jax.tree.map(lambda a: a + poison[0], g)
         u, s = tx.update(g, s, p)
-        return transforms.unlocal((optax.apply_updates(p, u), s)) + (lax.pmean(loss, "d"),)
+        return optax.apply_updates(p, u), s, lax.pmean(loss, "d")
 
     sharding = NamedSharding(mesh, P("d"))
     x, y = jax.device_put((x, y), sharding)
-    ps = transforms.replicate(params, mesh, "d")
-    st = transforms.replicate(tx.init(params), mesh, "d")
     losses, states = [], []
     for t in range(steps):
         poison = np.zeros(N, np.float32)
@@ -234,7 +222,7 @@ def test_least_squares_converges_close_to_uncompressed():
     # rank (1 or 2) and the final loss depend on the draw.
     ours, states = _train(optax.chain(_gq(sample_compressor=qc.qsgd(bits=8)), optax.sgd(0.2)),
                           steps)
-    gq = _first(states[-1][0])
+    gq = _host(states[-1][0])
     rank = int(gq.rank["w"])
     assert 1 <= rank <= 6
     assert ref[-1] < 1e-3 * ref[0]
@@ -247,18 +235,18 @@ def test_least_squares_converges_close_to_uncompressed():
 def test_nan_step_does_not_poison_state():
     # sampling step 5 (slot 2) and compressed step 13 get NaN on device 3
     _, poisoned = _train(optax.chain(_gq(), optax.sgd(0.2)), 15, nan_at=(5, 13))
-    before, after = _first(poisoned[4][0]), _first(poisoned[5][0])
+    before, after = _host(poisoned[4][0]), _host(poisoned[5][0])
     assert not bool(after.valid[2]) and bool(after.valid[1])
     np.testing.assert_array_equal(after.samples["w"], before.samples["w"])
     np.testing.assert_array_equal(after.residual["w"], before.residual["w"])
-    fitted = _first(poisoned[10][0])   # fit at step 10 skips the invalid slot
+    fitted = _host(poisoned[10][0])   # fit at step 10 skips the invalid slot
     for leaf in jax.tree.leaves((fitted.samples, fitted.basis, fitted.mean, fitted.residual)):
         assert np.all(np.isfinite(np.asarray(leaf)))
     assert 1 <= int(fitted.rank["w"]) <= 6
     b12, b13 = poisoned[12][0], poisoned[13][0]
     for a, b in zip(jax.tree.leaves(b12[:6]), jax.tree.leaves(b13[:6]), strict=True):  # not count
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert int(_first(b13).count) == 14
+    assert int(_host(b13).count) == 14
 
 
 def test_chain_with_adam_keeps_state_types():
@@ -276,7 +264,7 @@ def test_pmap_runs_the_same_schedule():
     tx = _gq(sample_steps=2, compressed_steps=2, warmup_steps=0, sample_compressor=None)
     g = _grads(0)
     params = jax.tree.map(lambda a: a[0], g)
-    st = transforms.replicate(tx.init(params), num_devices=N)
+    st = stacked(jax.jit(tx.init)(params), N)
     step = jax.pmap(tx.update, axis_name="d")
     for _ in range(3):
         u, st = jax.block_until_ready(step(g, st))

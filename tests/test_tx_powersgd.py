@@ -1,7 +1,5 @@
 """transforms.powersgd: PyTorch powerSGD_hook semantics, error feedback, state, NaN policy."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
 import transforms
-from tests.helpers import mesh_of, pmap_train
+from tests.helpers import mesh_of, placed, pmap_train, sharded_step, sharded_update
 
 N = 8
 DIM, OUT, BATCH = 32, 16, 64
@@ -43,43 +41,18 @@ def _pmean_tx():
 def _train(tx, steps, n=N, seed=0):
     """Trains on n devices (jitted shard_map step); returns params, state, losses."""
     params, x, y = _problem(n, seed)
-    mesh = mesh_of(n)
-
-    @jax.jit
-    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("d"),
-                       out_specs=(P("d"), P("d"), P()))
-    def step(params, state, x, y):
-        p, s, x, y = transforms.local((params, state, x, y))
-        loss, g = jax.value_and_grad(_loss)(p, x, y)
-        u, s = tx.update(g, s, p)
-        return (transforms.unlocal(optax.apply_updates(p, u)), transforms.unlocal(s),
-                lax.pmean(loss, "d"))
-
-    x, y = jax.device_put((x, y), NamedSharding(mesh, P("d")))
-    ps = transforms.replicate(params, mesh, "d")
-    st = transforms.replicate(jax.jit(tx.init)(params), mesh, "d")
+    ps, st = placed(tx, params, n)
+    x, y = jax.device_put((x, y), NamedSharding(mesh_of(n), P("d")))
+    step = sharded_step(tx, _loss, n, st)
     losses = []
     for _ in range(steps):  # block every step (XLA:CPU collectives)
-        ps, st, loss = jax.block_until_ready(step(ps, st, x, y))
+        ps, st, loss, _ = jax.block_until_ready(step(ps, st, x, y))
         losses.append(float(loss))
     return ps, st, losses
 
 
-def _updater(tx, n=N):
-    """``(grads, state) -> (updates, state)`` on n devices, leading device axis."""
-    mesh = mesh_of(n)
-
-    @jax.jit
-    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
-    def upd(grads, state):
-        u, s = tx.update(*transforms.local((grads, state)))
-        return transforms.unlocal((u, s))
-
-    def run(grads, state):
-        return jax.block_until_ready(upd(*jax.device_put((grads, state),
-                                                         NamedSharding(mesh, P("d")))))
-
-    return run
+def _init(tx, template, n=N):
+    return transforms.init_sharded(tx, template, mesh_of(n), "d")
 
 
 SHAPES = {"a": (6, 10), "c": (12, 4), "k": (3, 2, 2, 5), "v": (7,)}
@@ -107,21 +80,21 @@ def test_before_start_iter_equals_optax_with_pmean():
     np.testing.assert_allclose(l1, l2, rtol=1e-6)
     ps_state = state[0]
     np.testing.assert_array_equal(np.asarray(ps_state.residuals["w"]), 0.0)  # untouched
-    assert int(np.asarray(ps_state.count)[0]) == 12
+    assert int(ps_state.count) == 12
 
 
 @pytest.mark.parametrize("warm_start", [True, False])
 def test_full_rank_equals_uncompressed_mean(warm_start):
     tx = transforms.powersgd("d", rank=12, key=jax.random.key(1), start_iter=0,
                              warm_start=warm_start, min_compression_rate=1e-3)
-    state = transforms.replicate(jax.jit(tx.init)(_template()), num_devices=N)
+    state = _init(tx, _template())
     assert all(state.residuals[k].shape[1:] == SHAPES[k] for k in "ack")
-    run = _updater(tx)
+    run = sharded_update(tx, N, state)
     for t in range(3):
         grads = _grads(t)
         updates, state = run(grads, state)
         for name, g in grads.items():
-            want = np.broadcast_to(np.mean(np.asarray(g), axis=0), g.shape)
+            want = np.mean(np.asarray(g), axis=0)
             np.testing.assert_allclose(np.asarray(updates[name]), want, atol=2e-5,
                                        err_msg=f"{name} step {t}")
 
@@ -129,17 +102,15 @@ def test_full_rank_equals_uncompressed_mean(warm_start):
 def test_error_feedback_telescopes():
     """Steps 0-1 uncompressed, 2-5 rank 1: sum of updates + mean residual == sum of means."""
     tx = transforms.powersgd("d", rank=1, key=jax.random.key(2), start_iter=2)
-    state = transforms.replicate(jax.jit(tx.init)(_template()), num_devices=N)
-    run = _updater(tx)
+    state = _init(tx, _template())
+    run = sharded_update(tx, N, state)
     total_update = jax.tree.map(lambda a: np.zeros(a.shape, np.float64), _template())
     total_mean = jax.tree.map(lambda a: np.zeros(a.shape, np.float64), _template())
     for t in range(6):
         grads = _grads(10 + t)
         updates, state = run(grads, state)
         for name in grads:
-            u = np.asarray(updates[name])
-            np.testing.assert_allclose(u, np.broadcast_to(u[0], u.shape), atol=1e-6)
-            total_update[name] += u[0]
+            total_update[name] += np.asarray(updates[name])
             total_mean[name] += np.mean(np.asarray(grads[name], np.float64), axis=0)
     for name in "ack":  # the compressed leaves
         res = np.mean(np.asarray(state.residuals[name], np.float64), axis=0)
@@ -159,7 +130,8 @@ def test_least_squares_converges_like_uncompressed():
                      optax.sgd(0.1))
     _, state, losses = _train(tx, 120)
     _, _, ref = _train(optax.chain(_pmean_tx(), optax.sgd(0.1)), 120)
-    assert state[0].q["w"].shape == (N, OUT, 2)
+    assert state[0].q["w"].shape == (OUT, 2)     # replicated
+    assert state[0].residuals["w"].shape == (N, DIM, OUT)     # per device
     assert losses[-1] < 1.1 * ref[-1], (losses[-1], ref[-1])
     assert losses[-1] < 0.01 * losses[0]
 
@@ -168,8 +140,8 @@ def test_state_structure_shapes_and_dtypes_unchanged():
     shapes = dict(SHAPES, h=(8, 9))
     tx = transforms.powersgd("d", rank=2, key=jax.random.key(4), start_iter=1)
     template = dict(_template(shapes), h=jnp.zeros((8, 9), jnp.bfloat16))
-    state0 = transforms.replicate(jax.jit(tx.init)(template), num_devices=N)
-    run = _updater(tx)
+    state0 = _init(tx, template)
+    run = sharded_update(tx, N, state0)
     grads = _grads(5, shapes=shapes)
     grads["h"] = jnp.asarray(grads["h"], jnp.bfloat16)
     state = state0
@@ -180,15 +152,15 @@ def test_state_structure_shapes_and_dtypes_unchanged():
             assert a.shape == b.shape and a.dtype == b.dtype
         assert updates["h"].dtype == jnp.bfloat16
     # Only h pays at rank 2: (8 + 9) * 2 * 2 < 72; a, c, k and v stay uncompressed.
-    assert state0.q["h"].shape == (N, 9, 2) and state0.q["a"].shape == (N, 0)
+    assert state0.q["h"].shape == (9, 2) and isinstance(state0.q["a"], optax.MaskedNode)
     assert state0.residuals["h"].shape == (N, 8, 9)
     assert state0.residuals["h"].dtype == jnp.float32
 
 
 def test_nan_step_keeps_q_and_residuals():
     tx = transforms.powersgd("d", rank=1, key=jax.random.key(5), start_iter=1)
-    state = transforms.replicate(jax.jit(tx.init)(_template()), num_devices=N)
-    run = _updater(tx)
+    state = _init(tx, _template())
+    run = sharded_update(tx, N, state)
     for t in range(2):
         _, state = run(_grads(20 + t), state)
     before = state
@@ -200,20 +172,10 @@ def test_nan_step_keeps_q_and_residuals():
         np.testing.assert_array_equal(np.asarray(state.residuals[name]),
                                       np.asarray(before.residuals[name]))
         np.testing.assert_array_equal(np.asarray(state.q[name]), np.asarray(before.q[name]))
-    assert int(np.asarray(state.count)[0]) == 3
+    assert int(state.count) == 3
     updates, state = run(_grads(31), state)
     assert all(np.isfinite(np.asarray(u)).all() for u in jax.tree.leaves(updates))
     assert all(np.isfinite(np.asarray(s)).all() for s in jax.tree.leaves(state.q))
-
-
-def _stepper(mesh, tx):
-    """One jitted shard_map update of ``tx`` (per-device grads and state)."""
-    @jax.jit
-    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
-    def step(grads, state):
-        u, s = tx.update(*transforms.local((grads, state)))
-        return transforms.unlocal((u, s))
-    return step
 
 
 def test_wire_bytes_versus_uncompressed():
@@ -225,13 +187,13 @@ def test_wire_bytes_versus_uncompressed():
     template = _template(shapes)
     grads = jax.device_put(_grads(40, shapes=shapes), NamedSharding(mesh, P("d")))
     tx = transforms.powersgd("d", rank=rank, key=jax.random.key(6), start_iter=0)
-    state = transforms.replicate(jax.jit(tx.init)(template), mesh, "d")
-    ours = qc.wire_bytes(_stepper(mesh, tx), grads, state)
+    state = _init(tx, template)
+    ours = qc.wire_bytes(sharded_update(tx, N, state).mapped, grads, state)
     plain = _pmean_tx()
-    plain_state = transforms.replicate(jax.jit(plain.init)(template), mesh, "d")
-    base = qc.wire_bytes(_stepper(mesh, plain), grads, plain_state)
+    plain_state = _init(plain, template)
+    base = qc.wire_bytes(sharded_update(plain, N, plain_state).mapped, grads, plain_state)
     # Two fused float32 rings (P: sum n r values, Q: sum m r values), each
-    # 2 (N - 1) shifts of a ceil(K / N) chunk, plus the bias all-reduce.
+    # N - 1 shifts and an all-gather of a ceil(K / N) chunk, plus the bias all-reduce.
     ring = lambda k: 2 * (N - 1) * -(-k // N) * 4  # noqa: E731
     expected = ring((256 + 128) * rank) + ring((128 + 64) * rank) + 2 * (N - 1) / N * 64 * 4
     assert base == pytest.approx(2 * (N - 1) / N * 4 * (256 * 128 + 128 * 64 + 64))
@@ -255,22 +217,21 @@ def test_flax_conv_kernel_is_compressed_with_the_default_view():
     def init_first(p):
         return transforms.powersgd("d", rank=rank, key=jax.random.key(8), start_iter=0,
                                    matrix_view="first").init(p)
-    assert init_first(template).q["conv"].shape == (0,)
+    assert isinstance(init_first(template).q["conv"], optax.MaskedNode)
 
     tx = transforms.powersgd("d", rank=rank, key=jax.random.key(8), start_iter=0)
-    state = transforms.replicate(jax.jit(tx.init)(template), mesh, "d")
-    assert state.q["conv"].shape == (N, 16, rank) and state.q["b"].shape == (N, 0)
+    state = _init(tx, template)
+    assert state.q["conv"].shape == (16, rank) and isinstance(state.q["b"], optax.MaskedNode)
     assert state.residuals["conv"].shape == (N, 3, 3, 8, 16)
     grads = jax.device_put(_grads(50, shapes=shapes), NamedSharding(mesh, P("d")))
-    updates, new_state = _stepper(mesh, tx)(grads, state)
+    updates, new_state = sharded_update(tx, N, state).mapped(grads, state)
     u = np.asarray(updates["conv"])
-    assert u.shape == (N, 3, 3, 8, 16) and np.isfinite(u).all()
-    np.testing.assert_allclose(u, np.broadcast_to(u[0], u.shape), atol=1e-6)
+    assert u.shape == (3, 3, 8, 16) and np.isfinite(u).all()
     assert np.abs(np.asarray(new_state.residuals["conv"])).max() > 0.1  # really low rank
-    ours = qc.wire_bytes(_stepper(mesh, tx), grads, state)
+    ours = qc.wire_bytes(sharded_update(tx, N, state).mapped, grads, state)
     plain = _pmean_tx()
-    plain_state = transforms.replicate(jax.jit(plain.init)(template), mesh, "d")
-    base = qc.wire_bytes(_stepper(mesh, plain), grads, plain_state)
+    plain_state = _init(plain, template)
+    base = qc.wire_bytes(sharded_update(plain, N, plain_state).mapped, grads, plain_state)
     # Two float32 rings, P (72 r values) then Q (16 r values), plus the bias all-reduce.
     ring = lambda k: 2 * (N - 1) * -(-k // N) * 4  # noqa: E731
     assert base == pytest.approx(2 * (N - 1) / N * 4 * (3 * 3 * 8 * 16 + 16))
@@ -283,12 +244,12 @@ def test_first_view_equals_default_on_matrices():
     shapes = {"a": (6, 10), "c": (12, 4), "h": (8, 9), "v": (7,)}
     txs = [transforms.powersgd("d", rank=2, key=jax.random.key(9), start_iter=1, **kw)
            for kw in ({}, {"matrix_view": "first"})]
-    states = [transforms.replicate(jax.jit(tx.init)(_template(shapes)), num_devices=N)
+    states = [_init(tx, _template(shapes))
               for tx in txs]
     for a, b in zip(jax.tree.leaves(states[0]._replace(key=None)),
                     jax.tree.leaves(states[1]._replace(key=None)), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    runs = [_updater(tx) for tx in txs]
+    runs = [sharded_update(tx, N, s) for tx, s in zip(txs, states, strict=True)]
     for t in range(3):
         grads = _grads(60 + t, shapes=shapes)
         (u0, s0), (u1, s1) = (run(grads, s) for run, s in zip(runs, states, strict=True))
@@ -296,7 +257,7 @@ def test_first_view_equals_default_on_matrices():
                         jax.tree.leaves((u1, s1._replace(key=None))), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         states = [s0, s1]
-    assert states[0].q["h"].shape == (N, 9, 2)  # h is compressed, so the views were exercised
+    assert states[0].q["h"].shape == (9, 2)  # h is compressed, so the views were exercised
 
 
 def test_pmap_matches_shard_map():
@@ -310,7 +271,8 @@ def test_pmap_matches_shard_map():
     tx_sm = optax.chain(transforms.powersgd("d", rank=2, key=jax.random.key(7), start_iter=3),
                         optax.sgd(0.1))
     ref, _, ref_losses = _train(tx_sm, 15, n=n, seed=1)
-    np.testing.assert_allclose(np.asarray(ps["w"]), np.asarray(ref["w"]), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ps["w"][0]), np.asarray(ref["w"]), rtol=1e-4,
+                               atol=1e-5)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
 
 
