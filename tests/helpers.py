@@ -126,3 +126,21 @@ def pmap_train(tx, loss_fn, params, x, y, steps: int, n: int):
         ps, st, loss = jax.block_until_ready(step(ps, st, x, y))
         losses.append(float(loss[0]))
     return ps, st, losses
+
+
+def block(tree):
+    """Inside ``shard_map``: this device's block of ``P("d")`` leaves, without the
+    leading axis of size 1 (for state that really is per device, e.g. local SGD)."""
+    return jax.tree.map(lambda a: a[0], tree)
+
+
+def unblock(tree):
+    """Inverse of `block`: the leading axis back, for ``out_specs=P("d")``."""
+    import jax.numpy as jnp
+
+    return jax.tree.map(lambda a: jnp.asarray(a)[None], tree)
+
+
+def stacked_on_mesh(tree, n: int):
+    """`stacked` copies placed ``P("d")`` on ``n`` devices: one replica per device."""
+    return jax.device_put(stacked(tree, n), NamedSharding(mesh_of(n), P("d")))

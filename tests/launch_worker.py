@@ -49,23 +49,6 @@ def global_array(mesh, full):
                                         lambda index: full[index])
 
 
-def replicate(mesh, tree):
-    """``tree`` stacked once per device along a new leading axis, sharded ``P("d")``."""
-    import jax
-    import jax.numpy as jnp
-
-    n = mesh.shape["d"]
-    return jax.tree.map(lambda a: global_array(mesh, jnp.broadcast_to(a, (n,) + a.shape)), tree)
-
-
-def _update(tx, state, grads):
-    import transforms
-
-    s, g = transforms.local((state, grads))
-    updates, s = tx.update(g, s)
-    return transforms.unlocal((updates, s))
-
-
 def _in_small_pieces(run) -> dict:
     """``run()`` traced with 256-byte swap pieces, so that the pieces of a swap
     between processes (qcollect._ring.permute) are exercised, unevenly split."""
@@ -114,10 +97,17 @@ def compute(mesh) -> dict:
 
     for name, compressor in (("tx_identity", qc.identity()),
                              ("tx_qsgd4", qc.qsgd(bits=4, stochastic=False))):
-        tx = transforms.compressed_allreduce(compressor, "d", key=key, mean=True,
-                                             algorithm="auto", error_feedback=True)
-        state = replicate(mesh, tx.init({"w": jax.numpy.zeros(LENGTH)}))
-        step = mapped(functools.partial(_update, tx))
+        tx = transforms.compressed_all_reduce("d", compressor=compressor, key=key, mean=True,
+                                              algorithm="auto", error_feedback=True)
+        state = transforms.init_sharded(tx, {"w": jax.numpy.zeros(LENGTH)}, mesh, "d")
+        specs = transforms.state_specs(state, "d")
+
+        def update(state, grads, tx=tx):
+            updates, state = tx.update(jax.tree.map(lambda g: g[0], grads), state)
+            return jax.tree.map(lambda u: u[None], updates), state
+
+        step = jax.jit(jax.shard_map(update, mesh=mesh, in_specs=(specs, P("d")),
+                                     out_specs=(P("d"), specs)))
         for t in range(STEPS):
             grads = {"w": global_array(mesh, inputs(n, step=t))}
             updates, state = jax.block_until_ready(step(state, grads))

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import qcollect as qc
 import transforms
 from qcollect._layout import plan_segments
-from tests.helpers import mesh_of, per_device
+from tests.helpers import block, mesh_of, per_device, sharded_update, stacked_on_mesh, unblock
 
 SHAPES = [(), (1,), (7,), (64,), (33, 5), (16, 48), (3, 3, 4, 8), (2, 5, 6, 3)]
 SCALES = [1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0]
@@ -166,13 +166,13 @@ def test_columns_reach_the_error_of_encoding_each_leaf_directly(compressor, n):
 
 def _sharded_step(body, n):
     """``body(*per-device args)`` jitted under shard_map on ``n`` devices;
-    arguments and results carry a leading device axis."""
+    arguments and results carry a leading device axis (local SGD replicas)."""
     spec = jax.sharding.PartitionSpec("d")
 
     @jax.jit
     @functools.partial(jax.shard_map, mesh=mesh_of(n), in_specs=spec, out_specs=spec)
     def step(*args):
-        return transforms.unlocal(body(*transforms.local(args)))
+        return unblock(body(*block(args)))
     return step
 
 
@@ -185,21 +185,21 @@ def _shard(tree, n):
                                         qc.qsgd(bits=4, stochastic=False)],
                          ids=lambda c: c.name)
 def test_transform_residuals_are_each_leafs_own_encoding_error(compressor):
-    """First step of `transforms.compressed_allreduce` (zero residuals): each
+    """First step of `transforms.compressed_all_reduce` (zero residuals): each
     device's residual is its leaf's own encoding error, whatever the other
     leaves hold, so error feedback keeps per-layer semantics too."""
     n = 4
     shapes = [(48, 32), (32,), (3, 3, 4, 8)]
     grads = _tree(shapes, [1e-3, 10.0, 1e-2], n, seed=9)
     key = jax.random.key(0)
-    tx = transforms.compressed_allreduce(compressor, "d", key=key, algorithm="pairwise")
-    step = _sharded_step(tx.update, n)
-    state = transforms.replicate(tx.init([g[0] for g in grads]), mesh_of(n), "d")
-    _, state = step(_shard(grads, n), state)
+    tx = transforms.compressed_all_reduce("d", compressor=compressor, key=key,
+                                          algorithm="pairwise")
+    state = transforms.init_sharded(tx, [g[0] for g in grads], mesh_of(n), "d")
+    _, state = sharded_update(tx, n, state)(grads, state)
     for i, g in enumerate(grads):
         residual = np.asarray(state.residual[i])
-        alone = transforms.replicate(tx.init(g[0]), mesh_of(n), "d")
-        _, alone = step(_shard(g, n), alone)
+        alone = transforms.init_sharded(tx, g[0], mesh_of(n), "d")
+        _, alone = sharded_update(tx, n, alone)(g, alone)
         np.testing.assert_allclose(residual, np.asarray(alone.residual), rtol=1e-5,
                                    atol=1e-6 * float(np.abs(g).max()))
 
@@ -219,7 +219,7 @@ def test_model_averaging_codes_every_layer_with_its_own_range():
             u, _ = tx.update(jax.tree.map(jnp.zeros_like, p), s, p)
             return optax.apply_updates(p, u)
 
-        state = transforms.replicate(tx.init([w[0] for w in params]), mesh_of(n), "d")
+        state = stacked_on_mesh(tx.init([w[0] for w in params]), n)
         return [np.asarray(w) for w in _sharded_step(body, n)(_shard(params, n), state)]
 
     together = averaged(weights)

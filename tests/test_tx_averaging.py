@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
 import transforms
-from tests.helpers import mesh_of
+from tests.helpers import block, mesh_of, stacked, stacked_on_mesh, unblock
 
 N = 8
 EPS = np.finfo(np.float32).eps
@@ -30,9 +30,9 @@ def _update_step(every_k, compressor, min_size):
     @jax.jit
     @functools.partial(jax.shard_map, mesh=mesh_of(N), in_specs=P("d"), out_specs=P("d"))
     def step(params, state, updates):
-        p, s, u = transforms.local((params, state, updates))
+        p, s, u = block((params, state, updates))
         u, s = tx.update(u, s, p)
-        return transforms.unlocal((u, s))
+        return unblock((u, s))
 
     return tx, step
 
@@ -58,7 +58,7 @@ def _spec(tree):
 def _run(every_k, compressor, min_size, params, updates, steps):
     """``steps`` updates; checks that the state keeps its structure, shapes and dtypes."""
     tx, step = _update_step(every_k, compressor, min_size)
-    state = transforms.replicate(tx.init(None), mesh_of(N), "d")
+    state = stacked_on_mesh(tx.init(None), N)
     assert isinstance(state, transforms.ModelAveragingState)
     before, key0 = _spec(state), jax.random.key_data(state.key)
     params, updates = _shard((params, updates))
@@ -154,7 +154,7 @@ def test_entropy_bits_on_the_wire():
     params, updates = _tree(4, big=big, small=small)
     c = ENTROPY
     tx, step = _update_step(K, c, 100)
-    state = transforms.replicate(tx.init(None), mesh_of(N), "d")
+    state = stacked_on_mesh(tx.init(None), N)
     wire = qc.wire_bytes(step, *_shard((params, state, updates)))
     chunk = -(-big // N)
     payload = qc.payload_bytes(jax.eval_shape(c.encode, jnp.zeros(chunk), jax.random.key(0)))
@@ -191,12 +191,12 @@ def _least_squares(every_k, steps, lr=0.3, dim=32, rows=64):
     @jax.jit
     @functools.partial(jax.shard_map, mesh=mesh_of(N), in_specs=P("d"), out_specs=P("d"))
     def step(x, s, a, b):
-        x, s, a, b = transforms.local((x, s, a, b))
+        x, s, a, b = block((x, s, a, b))
         u, s = tx.update(jax.grad(loss)(x, a, b), s, x)
-        return transforms.unlocal((optax.apply_updates(x, u), s))
+        return unblock((optax.apply_updates(x, u), s))
 
-    x = transforms.replicate(jnp.zeros(dim), mesh_of(N), "d")
-    s = transforms.replicate(tx.init(jnp.zeros(dim)), mesh_of(N), "d")
+    x = stacked_on_mesh(jnp.zeros(dim), N)
+    s = stacked_on_mesh(tx.init(jnp.zeros(dim)), N)
     a_d, b_d = _shard((jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)))
     for _ in range(steps):  # block every step (XLA:CPU collectives)
         x, s = jax.block_until_ready(step(x, s, a_d, b_d))
@@ -261,12 +261,12 @@ def test_device_invariant_updates_under_shard_map():
     @jax.jit
     @functools.partial(jax.shard_map, mesh=mesh_of(N), in_specs=P("d"), out_specs=P("d"))
     def step(p, s):
-        p, s = transforms.local((p, s))
+        p, s = block((p, s))
         u, s = tx.update({"w": jnp.zeros(4)}, s, p)
-        return transforms.unlocal((u, s))
+        return unblock((u, s))
 
     p = _shard({"w": jnp.arange(4.0 * N).reshape(N, 4)})
-    s = transforms.replicate(tx.init(None), mesh_of(N), "d")
+    s = stacked_on_mesh(tx.init(None), N)
     u, s = jax.block_until_ready(step(p, s))
     np.testing.assert_array_equal(np.asarray(u["w"]), 0.0)
     u, s = jax.block_until_ready(step(p, s))
@@ -280,7 +280,7 @@ def test_pmap():
                                                compressor=qc.identity(), min_size=0)
     n = jax.local_device_count()
     params, updates = jax.tree.map(lambda a: a[:n], (params, updates))
-    state = transforms.replicate(tx.init(None), num_devices=n)
+    state = stacked(tx.init(None), n)
     out, _ = jax.pmap(lambda p, s, u: tx.update(u, s, p), axis_name="i")(params, state, updates)
     new, exact = _new_and_exact(params, updates, jax.tree.map(np.asarray, out))
     for k in new:
