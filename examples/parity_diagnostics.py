@@ -51,20 +51,22 @@ def _norm(x):
     return jnp.sqrt(jnp.sum(jnp.square(x.astype(jnp.float32))))
 
 
-def metered_step(dp: DataParallel, comm_tx, optimizer):
+def metered_step(dp: DataParallel, comm_tx, optimizer, state):
     """The training step, also returning per-layer (err, resid, sent)."""
 
     def body(params, opt_state, x, y):
-        p, (s_comm, s_opt) = transforms.local(params), transforms.local(opt_state)
-        _, g = dp.grads(p, x, y)
-        u, s_new = comm_tx.update(g, s_comm, p)
+        s_comm, s_opt = opt_state
+        _, g = dp.grads(lax.pcast(params, AXIS, to="varying"), x, y)
+        u, s_new = comm_tx.update(g, s_comm, params)
         metrics = {}
         paths = jax.tree_util.tree_leaves_with_path(g)
-        old = jax.tree.leaves(s_comm.residual)
-        new = jax.tree.leaves(s_new.residual)
+        treedef = jax.tree.structure(g)
+        old = treedef.flatten_up_to(s_comm.residual)
+        new = treedef.flatten_up_to(s_new.residual)
         for (path, gl), ul, r0, r1 in zip(paths, jax.tree.leaves(u), old, new, strict=True):
-            if r0.size == 0:  # sent uncompressed
+            if isinstance(r0, optax.MaskedNode):  # sent uncompressed
                 continue
+            r0, r1 = r0.reshape(gl.shape), r1.reshape(gl.shape)   # this device's block
             fed = gl.astype(jnp.float32) + r0
             exact = lax.pmean(fed, AXIS)
             contributed = fed - r1
@@ -72,11 +74,11 @@ def metered_step(dp: DataParallel, comm_tx, optimizer):
                 lax.pmean(_norm(ul - exact) / _norm(exact), AXIS),  # equal on all devices
                 lax.pmean(_norm(r1) / _norm(gl), AXIS),
                 lax.pmean(jnp.mean((contributed != 0).astype(jnp.float32)), AXIS)])
-        o, s_opt = optimizer.update(u, s_opt, p)
-        p = optax.apply_updates(p, o)
-        return transforms.unlocal((p, (s_new, s_opt))) + (metrics,)
+        o, s_opt = optimizer.update(u, s_opt, params)
+        return optax.apply_updates(params, o), (s_new, s_opt), metrics
 
-    return dp.shard_map(body, (P(AXIS), P(AXIS), P()))
+    specs = transforms.state_specs(state, AXIS)
+    return dp.shard_map(body, specs, (P(), specs, P()))
 
 
 def run_layers(dp, name, cfg, data, steps, every):
@@ -84,9 +86,9 @@ def run_layers(dp, name, cfg, data, steps, every):
     key = jax.random.key(cfg.seed)
     comm = communication(name, cfg, AXIS, key)
     optimizer = make_optimizer(cfg)
-    step = metered_step(dp, comm.tx, optimizer)
     params = dp.replicate(dp.params)
-    state = dp.replicate((jax.jit(comm.tx.init)(dp.params), jax.jit(optimizer.init)(dp.params)))
+    state = dp.init(optax.chain(comm.tx, optimizer), params)
+    step = metered_step(dp, comm.tx, optimizer, state)
     windows, current = [], []
     for i, (x, y) in enumerate(batches(data, cfg.batch_size * dp.num_devices, steps, cfg.seed)):
         params, state, metrics = jax.block_until_ready(step(params, state, *dp.batch(x, y)))
@@ -105,9 +107,12 @@ class RecordingPlanner(entropy_plan.Planner):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.history = []
-        self._split = self.dp.shard_map(self.needs, P())
+        self._split = None
 
     def step(self, params, opt_state, x, y, **kwargs):
+        if self._split is None:
+            self._split = self.dp.shard_map(
+                self.needs, transforms.state_specs(opt_state, AXIS), P())
         needs = jax.device_get(self._split(params, opt_state, x, y))
         compiled = super().step(params, opt_state, x, y, **kwargs)
         self.history.append({path: dict({k: float(v) for k, v in need.items()},
@@ -123,7 +128,7 @@ def run_entropy(dp, name, cfg, data, steps):
     planner = RecordingPlanner(dp, comm.entropy, cfg, AXIS, key, optimizer)
     params = dp.replicate(dp.params)
     tx = optax.chain(comm.tx, optimizer)
-    state = dp.replicate(jax.jit(tx.init)(dp.params))
+    state = dp.init(tx, params)
     step = None
     for i, (x, y) in enumerate(batches(data, cfg.batch_size * dp.num_devices, steps, cfg.seed)):
         args = (params, state) + dp.batch(x, y)

@@ -9,7 +9,7 @@ about it (whether it switches phases, whether it needs entropy plans).
 name           all-reduce
 =============  ==============================================================
 none           ``lax.pmean`` (XLA's all-reduce): the baseline
-bf16           `transforms.compressed_allreduce` with ``qc.cast("bfloat16")``
+bf16           `transforms.compressed_all_reduce` with ``qc.cast("bfloat16")``
 onebit         ... ``qc.onebit()`` (Seide, 64-value buckets, Grubic's 1bitSGD*)
 onebit-column  ... ``qc.onebit(grouping="column")`` (Seide/CNTK, means per column)
 threshold      ... ``qc.threshold(tau)`` (Strom, Dryden 3.2)
@@ -20,7 +20,7 @@ powersgd       `transforms.powersgd` (Vogels et al.)
 gradiveq       `transforms.gradiveq` (Yu et al.)
 =============  ==============================================================
 
-All but ``none`` keep error feedback; compressed_allreduce leaves with fewer
+All but ``none`` keep error feedback; compressed_all_reduce leaves with fewer
 than ``cfg.min_size`` values (biases) are averaged uncompressed.
 """
 
@@ -87,8 +87,8 @@ def gradiveq_slice_size(leaf_shape, *, min_slice: int) -> int | None:
 
 
 def _compressed(compressor, cfg, axis_name, key, **kwargs) -> optax.GradientTransformation:
-    return transforms.compressed_allreduce(compressor, axis_name, key=key,
-                                           min_size=cfg.min_size, **kwargs)
+    return transforms.compressed_all_reduce(axis_name, compressor=compressor, key=key,
+                                            min_size=cfg.min_size, **kwargs)
 
 
 def communication(name: str, cfg, axis_name, key) -> Communication:
@@ -137,7 +137,7 @@ def communication(name: str, cfg, axis_name, key) -> Communication:
 
 
 def entropy_transform(c: qc.EntropyCompressor, plans: dict | None, cfg, axis_name, key):
-    """compressed_allreduce with the entropy quantizer, one plan per leaf.
+    """compressed_all_reduce with the entropy quantizer, one plan per leaf.
 
     ``plans`` maps a leaf's key path to an `qcollect.EntropyPlan` of Python
     ints (None: unplanned, worst-case sizes). Leaves are not fused, so each

@@ -50,6 +50,12 @@ class TrainConfig:
         (pooled into one fit), and whether to keep error feedback.
       min_size: leaves with fewer values are averaged uncompressed.
       progress: show a progress bar per run.
+      checkpoint_dir: save each run's state with orbax into
+        ``{checkpoint_dir}/{compressor}/step_<n>`` ("" : no checkpoints).
+      checkpoint_every: steps between checkpoints (0: once per epoch); the
+        last step is always saved.
+      resume: continue each run from its latest checkpoint in
+        ``checkpoint_dir`` (bit-identical to a run never interrupted).
     """
 
     compressors: tuple[str, ...] = ("none", "bf16", "onebit", "qsgd-4", "powersgd")
@@ -82,6 +88,9 @@ class TrainConfig:
     gradiveq_error_feedback: bool = True
     min_size: int = 1024
     progress: bool = True
+    checkpoint_dir: str = ""
+    checkpoint_every: int = 0
+    resume: bool = False
 
     def __post_init__(self):
         names = self.compressors
@@ -99,12 +108,15 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         for name in ("steps", "eval_every", "train_examples", "test_examples", "min_size",
-                     "powersgd_start", "gradiveq_warmup", "adaptive_sample"):
+                     "powersgd_start", "gradiveq_warmup", "adaptive_sample",
+                     "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("learning_rate", "epochs", "threshold_tau"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("resume needs checkpoint_dir")
         if not 0 <= self.gradiveq_loss < 1:
             raise ValueError(f"gradiveq_loss must be in [0, 1), got {self.gradiveq_loss!r}")
 

@@ -59,7 +59,8 @@ class Planner:
         self.margin = MARGIN
         self.plans = None
         self._steps: dict = {}
-        self._measure = dp.shard_map(self._needed, P())
+        self._measure = None
+        self._state = None
 
     def needs(self, params, opt_state, x, y):
         """Per compressed leaf (inside the mapped step): the largest bit-width
@@ -67,19 +68,18 @@ class Planner:
         the devices' own (``gradient + residual``, the reduce-scatter; mean and
         largest over devices and shares) and the owners' (the sums, which
         they re-encode; largest)."""
-        p, s = transforms.local(params), transforms.local(opt_state)
-        _, grads = self.dp.grads(p, x, y)
-        residuals = s[0].residual
+        _, grads = self.dp.grads(lax.pcast(params, self.axis, to="varying"), x, y)
+        residuals = jax.tree.structure(grads).flatten_up_to(opt_state[0].residual)
         n = self.dp.num_devices
         chosen = transforms.leaf_compressors(grads, self.c, min_size=self.cfg.min_size)
         out = {}
         flat_grads = jax.tree_util.tree_leaves_with_path(grads)
-        for (path, g), r, c in zip(flat_grads, jax.tree.leaves(residuals), chosen, strict=True):
+        for (path, g), r, c in zip(flat_grads, residuals, chosen, strict=True):
             if c is None:
                 continue
             v = g.astype(jnp.float32)
-            if r.size:
-                v = v + r
+            if not isinstance(r, optax.MaskedNode):  # this device's block (1, *shape)
+                v = v + r.reshape(g.shape)
             # Exactly the shares compressed_all_reduce will encode.
             (mine, valid), (total, _) = (qc.leaf_chunks(a, self.c, n)
                                          for a in (v, lax.psum(v, self.axis)))
@@ -110,7 +110,7 @@ class Planner:
         if key not in self._steps:
             tx = optax.chain(entropy_transform(self.c, plans, self.cfg, self.axis, self.key),
                              self.optimizer)
-            self._steps[key] = self.dp.step(tx)
+            self._steps[key] = self.dp.step(tx, self._state)
         return self._steps[key]
 
     def step(self, params, opt_state, x, y, *, margin: float | None = None):
@@ -119,6 +119,10 @@ class Planner:
         ``margin``: this plan's (default: the current one, which shrinks back
         to ``MARGIN`` by ``GROWTH`` per plan after an overflow grew it).
         """
+        if self._measure is None:
+            self._state = opt_state
+            self._measure = self.dp.shard_map(
+                self._needed, transforms.state_specs(opt_state, self.axis), P())
         needed = jax.device_get(self._measure(params, opt_state, x, y))
         margin = self.margin if margin is None else margin
         plans = {path: qc.EntropyPlan(int(bits), _round_up(int(words), margin))

@@ -19,17 +19,17 @@ def baseline_wire_bytes(dp: DataParallel, cfg, data) -> int:
     """Wire bytes per step of the ``lax.pmean`` baseline (compiled, not run)."""
     tx = optax.chain(pmean(AXIS), make_optimizer(cfg))
     params = dp.replicate(dp.params)
-    state = dp.replicate(jax.jit(tx.init)(dp.params))
+    state = dp.init(tx, params)
     rows = cfg.batch_size * dp.num_devices
-    return qc.wire_bytes(dp.step(tx), params, state,
+    return qc.wire_bytes(dp.step(tx, state), params, state,
                          *dp.batch(data.x_train[:rows], data.y_train[:rows]))
 
 
-def progress_bar(total: int, desc: str):
+def progress_bar(total: int, desc: str, initial: int = 0):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc=f"{desc:>9}", unit="step", leave=True, file=sys.stderr,
-                dynamic_ncols=True)
+                dynamic_ncols=True, initial=initial)
 
 
 def run(cfg, build_model, image_shape, stem: str, title: str, data=None):

@@ -1,10 +1,12 @@
 """Data-parallel training of a Flax NNX model with `jax.shard_map` over a 1-D mesh.
 
-The pattern (README, "Training with error feedback"): parameters and
-optimizer state carry a leading device axis placed ``P("data")``
-(`transforms.replicate`); inside the mapped step each device sees its own
-block (`transforms.local`), computes gradients on its share of the global
-batch, and the optax chain ``communication -> optimizer`` all-reduces them.
+The pattern (README, "Train"): parameters and optimizer moments are
+replicated, ``P()``; only the error-feedback residuals are per device
+(`transforms.init_sharded`, `transforms.state_specs`). Inside the mapped
+step each device takes gradients on its share of the global batch at
+``lax.pcast(params, "data", to="varying")`` (its own gradients, not an
+implicit psum), and the optax chain ``communication -> optimizer``
+all-reduces them into an update that is the same on every device.
 Every step is awaited (``jax.block_until_ready``): XLA:CPU's in-process
 collectives can deadlock when several collective programs are queued.
 
@@ -24,12 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
 import transforms
 from common import entropy_plan
+from common.checkpoints import Checkpoints, step_of
 from common.compressors import Communication, communication
 from common.devices import local_values
 
@@ -101,29 +105,47 @@ class DataParallel:
         """Per device (inside the mapped function): loss and gradients."""
         return jax.value_and_grad(self.loss)(params, x, y)
 
-    def shard_map(self, body, out_specs):
-        """``jit(shard_map(body))`` with every input split ``P("data")``."""
-        return jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=P(AXIS), out_specs=out_specs))
+    def shard_map(self, body, state_specs, out_specs):
+        """``jit(shard_map(body))`` of ``(params, opt_state, x, y)``: params
+        replicated, the state by ``state_specs``, the batch split ``P("data")``."""
+        return jax.jit(jax.shard_map(body, mesh=self.mesh,
+                                     in_specs=(P(), state_specs, P(AXIS), P(AXIS)),
+                                     out_specs=out_specs))
 
-    def step(self, tx: optax.GradientTransformation):
+    def step(self, tx: optax.GradientTransformation, opt_state):
         """``step(params, opt_state, x, y) -> (params, opt_state, losses, finite)``.
 
-        ``losses`` and ``finite`` have one entry per device (no collective is
-        spent on them, so the step's wire bytes are the gradients' alone).
+        ``losses`` has one entry per device and ``finite`` says whether the
+        new parameters are finite (they are the same on every device); no
+        collective is spent on either, so the step's wire bytes are the
+        gradients' alone.
         """
+        specs = transforms.state_specs(opt_state, AXIS)
 
         def body(params, opt_state, x, y):
-            p, s = transforms.local(params), transforms.local(opt_state)
-            loss, g = self.grads(p, x, y)
-            updates, s = tx.update(g, s, p)
-            p = optax.apply_updates(p, updates)
-            finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in jax.tree.leaves(p)]))
-            return transforms.unlocal((p, s, loss, finite))
+            loss, g = self.grads(lax.pcast(params, AXIS, to="varying"), x, y)
+            updates, opt_state = tx.update(g, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(v))
+                                        for v in jax.tree.leaves(params)]))
+            return params, opt_state, loss[None], finite
 
-        return self.shard_map(body, P(AXIS))
+        return self.shard_map(body, specs, (P(), specs, P(AXIS), P()))
 
     def replicate(self, tree):
-        return transforms.replicate(tree, self.mesh, AXIS)
+        """``tree`` replicated (``P()``) on the mesh, from this process's copy."""
+        sharding = NamedSharding(self.mesh, P())
+        if jax.process_count() == 1:
+            return jax.device_put(tree, sharding)
+        def place(leaf):
+            host = np.asarray(leaf)
+            return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+        return jax.tree.map(place, tree)
+
+    def init(self, tx: optax.GradientTransformation, params):
+        """``tx``'s state placed on the mesh (residuals per device, the rest replicated)."""
+        return transforms.init_sharded(tx, params, self.mesh, AXIS)
 
     def batch(self, x: np.ndarray, y: np.ndarray):
         """A global batch (rows split over the devices) from this process's rows."""
@@ -134,8 +156,8 @@ class DataParallel:
                      for a in (x, y))
 
     def accuracy(self, params, x, y, batch: int = 2000) -> float:
-        """Test accuracy of device 0's replica (all replicas agree)."""
-        p = transforms.first(params)
+        """Test accuracy of the (replicated) parameters, on one local device."""
+        p = jax.tree.map(lambda a: a.addressable_data(0), params)
         hits = sum(int(_hits(self.graphdef, p, x[i:i + batch], y[i:i + batch]))
                    for i in range(0, len(x), batch))
         return hits / max(len(x), 1)
@@ -146,8 +168,9 @@ def _hits(graphdef, params, x, y):
     return jnp.sum(jnp.argmax(nnx.merge(graphdef, params)(x), -1) == y)
 
 
-def batches(data, global_batch: int, steps: int, seed: int):
-    """``steps`` global batches: one permutation per epoch, remainder dropped."""
+def batches(data, global_batch: int, steps: int, seed: int, start: int = 0):
+    """Global batches ``start .. steps - 1``: one permutation per epoch, remainder
+    dropped; batch ``i`` is the same whatever ``start`` is (for resuming)."""
     n = len(data.x_train)
     if global_batch > n:
         raise ValueError(f"the global batch ({global_batch}) is larger than the training set ({n})")
@@ -157,6 +180,8 @@ def batches(data, global_batch: int, steps: int, seed: int):
     for i in range(steps):
         if i % per_epoch == 0:
             order = rng.permutation(n)
+        if i < start:
+            continue
         rows = order[(i % per_epoch) * global_batch:(i % per_epoch + 1) * global_batch]
         yield data.x_train[rows], data.y_train[rows]
 
@@ -176,7 +201,7 @@ def train(dp: DataParallel, name: str, cfg, data, *, progress=None) -> RunResult
       name: a compressor name (`common.compressors`).
       cfg: a `TrainConfig`.
       data: an `MNIST` whose images have the model's input shape.
-      progress: ``f(total, desc)`` returning a tqdm-like bar, or None.
+      progress: ``f(total, desc, initial=)`` returning a tqdm-like bar, or None.
     """
     start = time.perf_counter()
     key = jax.random.key(cfg.seed)
@@ -185,19 +210,27 @@ def train(dp: DataParallel, name: str, cfg, data, *, progress=None) -> RunResult
     tx = optax.chain(comm.tx, optimizer)
     planner = (entropy_plan.Planner(dp, comm.entropy, cfg, AXIS, key, optimizer)
                if comm.entropy is not None else None)
-    step = dp.step(tx)
-
     params = dp.replicate(dp.params)
-    opt_state = dp.replicate(jax.jit(tx.init)(dp.params))
+    opt_state = dp.init(tx, params)
+    step = dp.step(tx, opt_state)
     total = run_length(cfg, len(data.x_train), dp.num_devices)
     every = cfg.eval_every or max(1, total // 20)
-    result = RunResult(name, [0], [dp.accuracy(params, data.x_test, data.y_test)], [],
+    global_batch = cfg.batch_size * dp.num_devices
+    ckpt = Checkpoints(cfg.checkpoint_dir, name, AXIS) if cfg.checkpoint_dir else None
+    save_every = cfg.checkpoint_every or max(1, len(data.x_train) // global_batch)
+    first = 0
+    if ckpt is not None and cfg.resume and ckpt.latest_step() is not None:
+        restored = ckpt.restore(ckpt.latest_step(), {
+            "params": params, "opt_state": opt_state, "step": dp.replicate(np.int32(0))})
+        params, opt_state, first = restored["params"], restored["opt_state"], step_of(restored)
+    result = RunResult(name, [first], [dp.accuracy(params, data.x_test, data.y_test)], [],
                        0, 0, 0.0, 0.0)
-    bar = progress(total, name) if progress else None
+    bar = progress(total, name, initial=first) if progress else None
     times, compiled, args = [], set(), None
-    for i, (x, y) in enumerate(batches(data, cfg.batch_size * dp.num_devices, total, cfg.seed)):
+    for i, (x, y) in enumerate(batches(data, global_batch, total, cfg.seed, start=first),
+                               start=first):
         args = (params, opt_state) + dp.batch(x, y)
-        if planner is not None and i % cfg.entropy_replan_every == 0:
+        if planner is not None and (i % cfg.entropy_replan_every == 0 or i == first):
             step = planner.step(*args)
         fresh = step not in compiled
         compiled.add(step)
@@ -212,6 +245,9 @@ def train(dp: DataParallel, name: str, cfg, data, *, progress=None) -> RunResult
         if not fresh:
             times.append(elapsed)
         result.losses.append(float(local_values(losses).mean()))
+        if ckpt is not None and ((i + 1) % save_every == 0 or i + 1 == total):
+            ckpt.save(i + 1, {"params": params, "opt_state": opt_state,
+                              "step": dp.replicate(np.int32(i + 1))})
         if (i + 1) % every == 0 or i + 1 == total:
             result.steps.append(i + 1)
             result.accuracy.append(dp.accuracy(params, data.x_test, data.y_test))
