@@ -175,11 +175,10 @@ def check_local_gradients(grads, axis_name) -> None:
     ``lax.pcast(params, axis_name, to="varying")`` to get this device's own
     gradients. Under ``jax.pmap`` (no such types) nothing is checked.
     """
+    if not _tracks_varying(axis_name):
+        return
     for path, leaf in jax.tree_util.tree_leaves_with_path(grads):
-        vma = getattr(jax.typeof(leaf), "vma", None)
-        if vma is None or not _binds(axis_name):
-            return
-        if axis_name not in vma and int(np.prod(jnp.shape(leaf))) > 0:
+        if axis_name not in _varying_axes(leaf) and int(np.prod(jnp.shape(leaf))) > 0:
             raise ValueError(
                 f"the gradient {jax.tree_util.keystr(path) or 'leaf'} is invariant along "
                 f"{axis_name!r}: jax.grad with respect to replicated parameters has "
@@ -188,25 +187,29 @@ def check_local_gradients(grads, axis_name) -> None:
                 f"device's own gradients.")
 
 
-def _binds(axis_name) -> bool:
-    """True inside ``shard_map`` over ``axis_name`` with type checking on."""
+def _varying_axes(leaf) -> frozenset:
+    """The mesh axes ``leaf`` is typed as varying along (empty outside shard_map)."""
+    aval = jax.typeof(leaf)
+    mat = getattr(aval, "mat", None)
+    axes = getattr(mat, "varying", None) if mat is not None else getattr(aval, "vma", None)
+    return frozenset(axes or ())
+
+
+def _tracks_varying(axis_name) -> bool:
+    """True inside ``shard_map`` over ``axis_name`` with its type check (not pmap)."""
     try:
-        lax.axis_size(axis_name)
+        index = lax.axis_index(axis_name)
     except NameError:
         return False
-    return True
+    return axis_name in _varying_axes(index)
 
 
 def to_varying(tree, axis_name):
     """Every leaf typed varying along ``axis_name`` (a no-op under ``jax.pmap``)."""
-
-    def cast(leaf):
-        vma = getattr(jax.typeof(leaf), "vma", None)
-        if vma is None or axis_name in vma or not _binds(axis_name):
-            return leaf
-        return lax.pcast(leaf, axis_name, to="varying")
-
-    return jax.tree.map(cast, tree)
+    if not _tracks_varying(axis_name):
+        return tree
+    return jax.tree.map(lambda leaf: leaf if axis_name in _varying_axes(leaf)
+                        else lax.pcast(leaf, axis_name, to="varying"), tree)
 
 
 def keep_if_finite(finite, new, old):
