@@ -8,7 +8,7 @@ Parameters and optimizer moments stay replicated (``P()``); only error-feedback
 residuals are per device (`state_specs`, `init_sharded`).
 """
 
-from transforms._allreduce import CompressedAllReduceState, compressed_all_reduce
+from transforms._all_reduce import CompressedAllReduceState, compressed_all_reduce
 from transforms._averaging import ModelAveragingState, compressed_model_averaging
 from transforms._checkpoint import restore_sharded
 from transforms._gradiveq import GradiVeQState, gradiveq
