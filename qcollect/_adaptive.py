@@ -131,7 +131,7 @@ def adaptive(proportion: float = 64.0, *, sample: int | None = None, grouping: s
     """
     pi = check_float("proportion", proportion, low=1.0, low_inclusive=True)
     sample = check_int("sample", sample, low=1, allow_none=True)
-    check_choice("grouping", grouping, ("column", "bucket"))
+    grouping = check_choice("grouping", grouping, ("column", "bucket"))
     bucket_size = check_int("bucket_size", bucket_size, low=1)
     rice_k = check_coding(coding, rice_k)
     if capacity_scale is None:

@@ -9,9 +9,28 @@ import numpy as np
 
 
 def check_choice(name: str, value, allowed):
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
-    return value
+    """The option of ``allowed`` that ``value`` names, as that option itself.
+
+    Matching keeps kinds apart (``1`` is not ``True``, ``4.0`` is not ``4``)
+    and returns the canonical option (``np.int64(4)`` gives ``4``), so the
+    settings a compressor records compare and print alike however they were
+    spelled.
+    """
+    for option in allowed:
+        if _same_choice(value, option):
+            return option
+    raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
+
+
+def _same_choice(value, option) -> bool:
+    if isinstance(option, bool) or isinstance(value, (bool, np.bool_)):
+        return (isinstance(option, bool) and isinstance(value, (bool, np.bool_))
+                and bool(value) is option)
+    if isinstance(option, numbers.Integral):
+        return isinstance(value, numbers.Integral) and int(value) == option
+    if isinstance(option, str):
+        return isinstance(value, str) and value == option
+    return type(value) is type(option) and value == option
 
 
 def check_int(name: str, value, *, low: int = 1, high: int | None = None, allow_none=False):

@@ -51,7 +51,10 @@ class EntropyCompressor(Compressor):
       plan(x, key=None, *, valid=None) -> EntropyPlan of int32 arrays;
         jittable and vmappable.
       with_plan(plan) -> Compressor whose encode uses the plan's static sizes
-        (deterministic; the same plan returns the same, cached, object).
+        (deterministic; the same plan returns the same, cached, object). The
+        plan is one of its settings, an `EntropyPlan` of Python ints, so
+        planned compressors are equal when their settings and plans are,
+        and each plan is its own static `jax.jit` argument.
     """
 
     def plan(self, x, key=None, *, valid=None) -> EntropyPlan:

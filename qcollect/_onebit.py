@@ -73,7 +73,7 @@ def onebit(*, grouping: str = "bucket", bucket_size: int = 64,
       >>> c.decode(c.encode(jnp.array([1., 3., -2., -4.])))
       Array([ 2.,  2., -3., -3.], dtype=float32)
     """
-    check_choice("grouping", grouping, ("bucket", "column"))
+    grouping = check_choice("grouping", grouping, ("bucket", "column"))
     bucket_size = check_int("bucket_size", bucket_size, low=1)
     sample = check_int("sample", sample, low=1, allow_none=True)
     name = f"onebit/{grouping}" + (f"/{bucket_size}" if grouping == "bucket" else "")

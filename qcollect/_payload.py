@@ -62,8 +62,16 @@ class Compressor:
     object identity: equal values in two different arrays make two different
     compressors, and nothing is ever traced or hashed by value.
 
+    Settings are recorded as validated and resolved, so equal behaviour
+    means equal settings: ``qc.qsgd(bits=4)`` equals
+    ``qc.qsgd(bits=4, bucket_size=512)`` and ``qc.cast(jnp.bfloat16)`` equals
+    ``qc.cast("bfloat16")``. Scalars compare with their kind (``1``, ``1.0``
+    and ``True`` are three different settings).
+
     The settings read as attributes: ``qc.qsgd(bits=4).bits == 4``,
-    ``qc.qsgd(bits=4).bucket_size == 512`` (defaults resolved).
+    ``qc.qsgd(bits=4).bucket_size == 512``; a name that is neither a field
+    nor a setting raises AttributeError listing the compressor's settings.
+    The repr is the factory call with every setting spelled out.
 
     Attributes:
       name: wire-format name shared by every payload it produces.
@@ -105,8 +113,8 @@ class Compressor:
     """
 
     name: str
-    encode: Callable[..., Payload]
-    decode: Callable[[Payload], jax.Array]
+    encode: Callable[..., Payload] = dataclasses.field(compare=False)
+    decode: Callable[[Payload], jax.Array] = dataclasses.field(compare=False)
     linear: bool
     stochastic: bool
     block: int = 1
@@ -144,18 +152,25 @@ class Compressor:
 
 
 def _comparable(value):
-    """Settings compare by value, arrays (never hashable by value) by identity."""
+    """The hashable stand-in of one setting.
+
+    Scalars and strings compare by kind and value; tuples, lists and dicts
+    element by element; arrays (concrete or traced, never hashable by value)
+    and other unhashable objects by identity. The compressor keeps a
+    reference to every setting, so an identity is never reused while the
+    compressor lives.
+    """
     if isinstance(value, (jax.Array, np.ndarray)) or hasattr(value, "aval"):
         return ("array", id(value))
     if isinstance(value, (list, tuple)):
-        return tuple(_comparable(v) for v in value)
+        return (type(value), tuple(_comparable(v) for v in value))
     if isinstance(value, dict):
-        return tuple(sorted((k, _comparable(v)) for k, v in value.items()))
+        return (dict, tuple(sorted((k, _comparable(v)) for k, v in value.items())))
     try:
         hash(value)
     except TypeError:
         return ("object", id(value))
-    return value
+    return (type(value), value)
 
 
 def _short_repr(value) -> str:
@@ -167,7 +182,15 @@ def _short_repr(value) -> str:
 
 
 def settings(**kwargs) -> tuple[tuple[str, Any], ...]:
-    """A factory's resolved settings, for `Compressor.settings`."""
+    """A factory's settings as ``(name, value)`` pairs, for `Compressor.settings`.
+
+    Args:
+      **kwargs: every keyword of the factory, after validation and with its
+        defaults resolved, in the factory's argument order.
+
+    Returns:
+      The pairs, in that order.
+    """
     return tuple(kwargs.items())
 
 

@@ -238,7 +238,11 @@ def pca(basis, mean=None, *, num_workers: int) -> Compressor:
       num_workers: ``N >= 1``, the number of payloads that are summed.
 
     Returns:
-      A `Compressor` with ``linear=True`` and ``stochastic=False``.
+      A `Compressor` with ``linear=True`` and ``stochastic=False``. Its
+      settings ``basis``, ``mean`` and ``num_workers`` read as attributes;
+      ``basis`` and ``mean`` compare by identity (see `Compressor`): two
+      compressors are equal when they hold the same array objects, and a
+      refitted basis makes a new compressor even if its values repeat.
 
     Non-finite values in a slice make its coefficients, and so the whole
     decoded slice, non-finite.

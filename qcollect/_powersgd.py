@@ -289,7 +289,11 @@ def powersgd(factor, *, side: str = "right", view: str = "last") -> Compressor:
         Encode and decode use it; the factor must be built for the same view.
 
     Returns:
-      A `Compressor` with ``linear=True`` and ``stochastic=False``.
+      A `Compressor` with ``linear=True`` and ``stochastic=False``. Its
+      settings ``factor``, ``side`` and ``view`` read as attributes;
+      ``factor`` compares by identity (see `Compressor`), so compressors
+      built from one factor array are equal and a new factor makes a new
+      compressor.
 
     References:
       Vogels et al., PowerSGD, Algorithm 1 (one power iteration with warm
@@ -303,8 +307,8 @@ def powersgd(factor, *, side: str = "right", view: str = "last") -> Compressor:
       >>> p["p"].shape, qc.payload_bytes(p), c.decode(p).shape
       ((8, 2), 64, (8, 6))
     """
-    check_choice("side", side, ("right", "left"))
-    check_choice("view", view, _VIEWS)
+    side = check_choice("side", side, ("right", "left"))
+    view = check_choice("view", view, _VIEWS)
     if getattr(factor, "ndim", None) != 2 or factor.shape[1] < 1:
         raise ValueError(f"factor must be a (rows, rank) array with rank >= 1, got shape "
                          f"{getattr(factor, 'shape', None)}")

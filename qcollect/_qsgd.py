@@ -60,14 +60,16 @@ def qsgd(*, bits: int = 4, bucket_size: int | None | str = "default", norm: str 
       >>> c = qc.qsgd(bits=8, stochastic=False)
       >>> c.decode(c.encode(jnp.array([1.0, -0.5, 0.25])))  # levels k/127
       Array([ 1.       , -0.503937 ,  0.2519685], dtype=float32)
+      >>> qc.qsgd(bits=2)  # settings recorded resolved
+      qsgd(bits=2, bucket_size=128, norm='max', stochastic=True)
     """
     bits = check_choice("bits", bits, tuple(QSGD_BUCKET_SIZES))
     if isinstance(bucket_size, str):
         check_choice("bucket_size", bucket_size, ("default",))
         bucket_size = QSGD_BUCKET_SIZES[bits]
     bucket_size = check_int("bucket_size", bucket_size, low=1, allow_none=True)
-    check_choice("norm", norm, ("max", "l2"))
-    check_choice("stochastic", stochastic, (True, False))
+    norm = check_choice("norm", norm, ("max", "l2"))
+    stochastic = check_choice("stochastic", stochastic, (True, False))
     levels = 2 ** (bits - 1) - 1
     sign_bit = 1 << (bits - 1)
     name = f"qsgd/b{bits}/{bucket_size or 'whole'}/{norm}" + ("" if stochastic else "/nearest")

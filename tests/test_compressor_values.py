@@ -1,5 +1,7 @@
 """Compressors are values: equal settings, equal compressors, one compiled program."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +19,7 @@ CASES = {
     "onebit-column": (qc.onebit, {"grouping": "column"}, {"grouping": "column", "sample": 8}),
     "qsgd-2": (qc.qsgd, {"bits": 2}, {"bits": 2, "norm": "l2"}),
     "qsgd-4": (qc.qsgd, {"bits": 4}, {"bits": 8}),
+    "qsgd-8": (qc.qsgd, {"bits": 8}, {"bits": 8, "bucket_size": None}),
     "qsgd-16": (qc.qsgd, {"bits": 16}, {"bits": 16, "stochastic": False}),
     "threshold": (qc.threshold, {"tau": 0.5}, {"tau": 0.25}),
     "adaptive": (qc.adaptive, {"proportion": 32.0}, {"proportion": 16.0}),
@@ -93,4 +96,124 @@ def test_static_jit_argument_shares_the_compiled_program():
     assert len(traces) == 1
     np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
     f(x, qc.qsgd(bits=4))
+    assert len(traces) == 2
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_static_jit_argument_per_factory(name):
+    factory, kwargs, other = CASES[name]
+    traces = []
+
+    def scaled(x, c):
+        traces.append(c)
+        return x * c.block
+
+    f = jax.jit(scaled, static_argnums=1)
+    x = jnp.ones(4)
+    f(x, _build(factory, kwargs))
+    f(x, _build(factory, kwargs))
+    assert len(traces) == 1
+    if other is not None:
+        f(x, _build(factory, other))
+        assert len(traces) == 2
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_unknown_setting_names_the_compressor(name):
+    factory, kwargs, _ = CASES[name]
+    c = _build(factory, kwargs)
+    listed = ", ".join(k for k, _ in c.settings) or "none"
+    with pytest.raises(AttributeError, match=f"{c.name!r} compressor has no setting 'levelz'"):
+        _ = c.levelz
+    with pytest.raises(AttributeError) as info:
+        _ = c.levelz
+    assert f"(settings: {listed})" in str(info.value)
+    assert not hasattr(c, "levelz")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_value_semantics(name):
+    factory, kwargs, _ = CASES[name]
+    c = _build(factory, kwargs)
+    assert isinstance(c, qc.Compressor) and dataclasses.is_dataclass(c)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.name = "other"
+    # Settings that share a name with a field agree with it.
+    for key, value in c.settings:
+        if key in {f.name for f in dataclasses.fields(c)}:
+            assert getattr(c, key) == value
+    assert c != c.name and c != dict(c.settings)
+
+
+@pytest.mark.parametrize("name", sorted(k for k in CASES if k not in ("pca", "powersgd")))
+def test_repr_is_the_factory_call(name):
+    factory, kwargs, other = CASES[name]
+    for c in [_build(factory, kwargs)] + ([] if other is None else [_build(factory, other)]):
+        assert eval(repr(c), {f: getattr(qc, f) for f in qc.__all__}) == c
+
+
+def test_reprs_of_every_family():
+    assert repr(qc.identity()) == "identity()"
+    assert repr(qc.cast(jnp.float16)) == "cast(dtype='float16')"
+    assert repr(qc.onebit(grouping="column")) == (
+        "onebit(grouping='column', bucket_size=64, sample=None)")
+    assert repr(qc.threshold(0.5)) == (
+        "threshold(tau=0.5, capacity=0.03125, coding='words', rice_k=None)")
+    assert repr(qc.adaptive(16)).startswith("adaptive(proportion=16.0, sample=None, ")
+    assert repr(qc.entropy(floor=5)).startswith("entropy(sample_fraction=0.03, ")
+    assert repr(qc.entropy().with_plan((7, 100))).endswith(
+        ", plan=EntropyPlan(bits=7, words=100))")
+    assert repr(qc.powersgd(U, side="left")) == (
+        "powersgd(factor=<array (16, 4) float32>, side='left', view='last')")
+    assert repr(qc.pca(U, num_workers=2)) == (
+        "pca(basis=<array (16, 4) float32>, mean=None, num_workers=2)")
+
+
+def test_settings_are_recorded_validated():
+    assert qc.qsgd(bits=np.int64(4)) == qc.qsgd(bits=4)
+    assert repr(qc.qsgd(bits=np.int64(4))).startswith("qsgd(bits=4, ")
+    assert qc.qsgd(bits=16, bucket_size=None).bucket_size is None
+    assert qc.qsgd(stochastic=np.bool_(False)).stochastic is False
+    for bad in ({"bits": 4.0}, {"bits": True}, {"stochastic": 1}, {"norm": 2}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            qc.qsgd(**bad)
+    # A count and a fraction are different capacities (1 slot against all of them).
+    assert qc.threshold(0.5, capacity=1) != qc.threshold(0.5, capacity=1.0)
+    assert qc.threshold(0.5).tau == 0.5 and qc.adaptive(16).proportion == 16.0
+    assert qc.onebit(grouping="column").grouping == "column"
+    assert qc.cast(jnp.bfloat16).dtype == "bfloat16"
+
+
+def test_traced_array_settings_compare_without_tracer_errors():
+    seen = {}
+
+    @jax.jit
+    def step(basis, factor):
+        a, b = qc.pca(basis, num_workers=2), qc.pca(basis, num_workers=2)
+        seen["pca"] = (a == b, hash(a) == hash(b), a != qc.pca(factor, num_workers=2))
+        p, q = qc.powersgd(factor), qc.powersgd(factor)
+        seen["powersgd"] = (p == q, {p: 1}[q] == 1, p != qc.powersgd(basis))
+        assert p.factor is factor
+        return a.decode(a.encode(jnp.ones(32)))
+
+    step(U, U + 0.0)
+    assert seen == {"pca": (True, True, True), "powersgd": (True, True, True)}
+    np_basis = np.asarray(U)
+    assert qc.pca(np_basis, num_workers=2) == qc.pca(np_basis, num_workers=2)
+    assert qc.pca(np_basis, num_workers=2) != qc.pca(np_basis.copy(), num_workers=2)
+
+
+def test_entropy_plans_hit_one_compiled_program_each():
+    traces = []
+
+    def encode(x, c):
+        traces.append(c)
+        return c.encode(x).arrays["stream"]
+
+    f = jax.jit(encode, static_argnums=1)
+    x = jnp.linspace(-1.0, 1.0, 64)
+    a = f(x, qc.entropy(sample_fraction=1.0, huffman=False).with_plan((7, 20)))
+    b = f(x, qc.entropy(sample_fraction=1.0, huffman=False).with_plan((7, 20)))
+    assert len(traces) == 1 and a.shape == b.shape == (20,)
+    f(x, qc.entropy(sample_fraction=1.0, huffman=False).with_plan((8, 20)))
     assert len(traces) == 2
