@@ -71,6 +71,29 @@ def sharded_step(tx, loss_fn, n: int, state, grad_fn=None):
                                  out_specs=(P(), specs, P(), P())))
 
 
+def train_sharded(tx, loss_fn, params, x, y, steps: int, n: int, grad_fn=None):
+    """Trains with ``tx`` for ``steps`` steps on ``n`` devices under ``jax.shard_map``.
+
+    The canonical data-parallel loop: params replicated ``P()``, the state
+    from `transforms.init_sharded` with `transforms.state_specs` as its
+    specs, ``x`` and ``y`` split ``P("d")`` along their leading device axis,
+    gradients taken at ``lax.pcast(params, "d", to="varying")`` (see
+    `sharded_step`). Every step is awaited (XLA:CPU collectives; see README).
+
+    Returns:
+      ``(params, state, losses)``: the replicated params, the placed state and
+      the mean loss over devices of every step (before its update).
+    """
+    params, state = placed(tx, params, n)
+    x, y = jax.device_put((x, y), NamedSharding(mesh_of(n), P("d")))
+    step = sharded_step(tx, loss_fn, n, state, grad_fn)
+    losses = []
+    for _ in range(steps):
+        params, state, loss, _ = jax.block_until_ready(step(params, state, x, y))
+        losses.append(float(loss))
+    return params, state, losses
+
+
 def sharded_update(tx, n: int, state):
     """``run(grads, state) -> (updates, state)``: ``tx.update`` on ``n`` devices, jitted.
 

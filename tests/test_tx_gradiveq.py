@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
 import transforms
-from tests.helpers import mesh_of, placed, sharded_update, stacked
+from tests.helpers import mesh_of, placed, sharded_step, sharded_update, stacked
 from transforms._gradiveq import _aggregate_pca, _aggregate_sampled
 
 N = 8
@@ -178,28 +178,16 @@ def _ls_loss(p, x, y):
 
 
 def _train(tx, steps, nan_at=()):
+    """The shared data-parallel step; at the steps in ``nan_at`` device 3's targets
+    are NaN, so all its gradients are."""
     params, x, y = _ls_problem()
-    mesh = mesh_of(N)
     ps, st = placed(tx, params, N)
-    specs = transforms.state_specs(st, "d")
-
-    @jax.jit
-    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs) + (P("d"),) * 3,
-                       out_specs=(P(), specs, P()))
-    def step(p, s, x, y, poison):
-        loss, g = jax.value_and_grad(_ls_loss)(lax.pcast(p, "d", to="varying"), x[0], y[0])
-        g = jax.tree.map(lambda a: a + poison[0], g)
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s, lax.pmean(loss, "d")
-
-    sharding = NamedSharding(mesh, P("d"))
-    x, y = jax.device_put((x, y), sharding)
+    step = sharded_step(tx, _ls_loss, N, st)
+    x, y, y_nan = jax.device_put((x, y, y.at[3].set(jnp.nan)),
+                                 NamedSharding(mesh_of(N), P("d")))
     losses, states = [], []
-    for t in range(steps):
-        poison = np.zeros(N, np.float32)
-        if t in nan_at:
-            poison[3] = np.nan
-        ps, st, loss = jax.block_until_ready(step(ps, st, x, y, jax.device_put(poison, sharding)))
+    for t in range(steps):  # block every step (XLA:CPU collectives)
+        ps, st, loss, _ = jax.block_until_ready(step(ps, st, x, y_nan if t in nan_at else y))
         losses.append(float(loss))
         states.append(st)
     return losses, states

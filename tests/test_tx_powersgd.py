@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
 import transforms
-from tests.helpers import mesh_of, placed, pmap_train, sharded_step, sharded_update
+from tests.helpers import mesh_of, pmap_train, sharded_update, train_sharded
 
 N = 8
 DIM, OUT, BATCH = 32, 16, 64
@@ -41,14 +41,7 @@ def _pmean_tx():
 def _train(tx, steps, n=N, seed=0):
     """Trains on n devices (jitted shard_map step); returns params, state, losses."""
     params, x, y = _problem(n, seed)
-    ps, st = placed(tx, params, n)
-    x, y = jax.device_put((x, y), NamedSharding(mesh_of(n), P("d")))
-    step = sharded_step(tx, _loss, n, st)
-    losses = []
-    for _ in range(steps):  # block every step (XLA:CPU collectives)
-        ps, st, loss, _ = jax.block_until_ready(step(ps, st, x, y))
-        losses.append(float(loss))
-    return ps, st, losses
+    return train_sharded(tx, _loss, params, x, y, steps, n)
 
 
 def _init(tx, template, n=N):

@@ -63,8 +63,8 @@ def state_specs(state, axis_name):
       ...     "data", compressor=qc.onebit(), key=jax.random.key(0)), optax.sgd(0.1))
       >>> specs = transforms.state_specs(
       ...     jax.eval_shape(tx.init, {"w": jnp.zeros((8, 8))}), "data")
-      >>> specs[0].residual["w"], specs[0].count
-      (PartitionSpec('data',), PartitionSpec())
+      >>> specs[0].residual["w"] == jax.P("data"), specs[0].count == jax.P()
+      (True, True)
     """
 
     def spec(node):
