@@ -208,31 +208,99 @@ def test_parity_diagnostics_measure_every_compressed_layer(tiny_mnist, tmp_path)
     assert "| own shares, mean |" in (tmp_path / "parity_diagnostics.md").read_text()
 
 
+def _leaf_bits(leaf):
+    import jax
+
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        leaf = jax.random.key_data(leaf)
+    return np.asarray(leaf)
+
+
+def _straight_and_resumed(tmp_path, args, steps=6, split=3):
+    """``steps`` steps straight; then ``split`` steps, and the rest after --resume."""
+    main = _main("mnist_mlp")
+    straight_dir, split_dir = tmp_path / "straight", tmp_path / "split"
+    out = ["--output-dir", str(tmp_path)]
+    straight = main(args + ["--steps", str(steps), "--checkpoint-dir", str(straight_dir)] + out)
+    main(args + ["--steps", str(split), "--checkpoint-dir", str(split_dir)] + out)
+    resumed = main(args + ["--steps", str(steps), "--checkpoint-dir", str(split_dir),
+                           "--resume", "true"] + out)
+    return straight[0], resumed[0], straight_dir, split_dir
+
+
 def test_checkpoint_resume_is_bit_identical(tmp_path):
     """Six steps straight, or three, a checkpoint, and three more after --resume:
-    the final checkpoints (params, residuals, optimizer state) are identical."""
+    the same losses and test accuracy, and identical final checkpoints (params,
+    residuals, optimizer state)."""
     import jax
     import orbax.checkpoint as ocp
 
-    main = _main("mnist_mlp")
-    common = ["--compressors", "onebit", "--train-examples", "512", "--test-examples", "64",
-              "--width", "32", "--batch-size", "4", "--progress", "false", "--eval-every", "3",
-              "--checkpoint-every", "3"]
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    main(common + ["--steps", "6", "--checkpoint-dir", str(straight),
-                   "--output-dir", str(tmp_path)])
-    main(common + ["--steps", "3", "--checkpoint-dir", str(split), "--output-dir", str(tmp_path)])
-    resumed = main(common + ["--steps", "6", "--checkpoint-dir", str(split), "--resume", "true",
-                             "--output-dir", str(tmp_path)])
-    assert resumed[0].steps == [3, 6] and len(resumed[0].losses) == 3
+    args = ["--compressors", "onebit", "--train-examples", "512", "--test-examples", "64",
+            "--width", "32", "--batch-size", "4", "--progress", "false", "--eval-every", "3",
+            "--checkpoint-every", "3"]
+    straight, resumed, straight_dir, split_dir = _straight_and_resumed(tmp_path, args)
+    assert resumed.steps == [3, 6] and straight.steps == [0, 3, 6]
+    assert len(resumed.losses) == 3 and resumed.losses == straight.losses[3:]
+    assert resumed.accuracy == straight.accuracy[1:]
+    assert resumed.final_accuracy == straight.final_accuracy
+    assert resumed.wire_bytes == straight.wire_bytes
     reader = ocp.StandardCheckpointer()
-    a, b = (reader.restore(d / "onebit" / "step_00000006") for d in (straight, split))
+    a, b = (reader.restore(d / "onebit" / "step_00000006") for d in (straight_dir, split_dir))
     leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
     assert len(leaves_a) == len(leaves_b) > 5
-    def bits(leaf):
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            leaf = jax.random.key_data(leaf)
-        return np.asarray(leaf)
-
     for x, y in zip(leaves_a, leaves_b, strict=True):
-        np.testing.assert_array_equal(bits(x), bits(y))
+        np.testing.assert_array_equal(_leaf_bits(x), _leaf_bits(y))
+
+
+def test_entropy_resume_keeps_the_plans(tmp_path, monkeypatch):
+    """Plans every 2 steps, a checkpoint after 3: the resumed run continues with
+    the saved plan (it plans nothing at step 3) and matches the straight run. One
+    hidden layer: its kernel is the one compressed leaf (entropy steps compile slowly)."""
+    from common import entropy_plan
+
+    planned = []
+    plan = entropy_plan.Planner.step
+
+    def spy(self, *args, **kwargs):
+        planned.append(self.plans)
+        return plan(self, *args, **kwargs)
+
+    monkeypatch.setattr(entropy_plan.Planner, "step", spy)
+    args = ["--compressors", "entropy", "--train-examples", "512", "--test-examples", "64",
+            "--width", "16", "--depth", "1", "--batch-size", "4", "--progress", "false",
+            "--eval-every", "2", "--entropy-replan-every", "2", "--checkpoint-every", "3",
+            "--min-size", "256", "--output-dir", str(tmp_path)]
+    main = _main("mnist_mlp")
+    straight = main(args + ["--steps", "4", "--checkpoint-dir", str(tmp_path / "straight")])[0]
+    main(args + ["--steps", "3", "--checkpoint-dir", str(tmp_path / "split")])
+    saved = json.loads((tmp_path / "split" / "entropy" / "step_00000003.json").read_text())
+    assert len(saved["plans"]) == 1 and saved["margin"] >= 1
+    before = len(planned)
+    resumed = main(args + ["--steps", "4", "--checkpoint-dir", str(tmp_path / "split"),
+                           "--resume", "true"])[0]
+    assert len(planned) == before, "the resumed run planned again instead of restoring"
+    assert resumed.losses == straight.losses[3:]
+    assert resumed.final_accuracy == straight.final_accuracy
+    assert resumed.wire_bytes == straight.wire_bytes
+
+
+def test_resume_on_another_device_count_names_both(tiny_mnist, tmp_path):
+    """A checkpoint of 8 devices' residuals is refused on 4, with both counts."""
+    import dataclasses
+
+    import jax
+    from common.train import DataParallel, train
+    from mnist_mlp.config import Config
+    from mnist_mlp.model import build
+
+    cfg = Config(compressors=("onebit",), steps=2, width=16, batch_size=2, progress=False,
+                 min_size=16, checkpoint_dir=str(tmp_path))
+    data = mnist.load_mnist(tiny_mnist[0])
+
+    def on(n):
+        mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+        return DataParallel(build(cfg), mesh)
+
+    train(on(8), "onebit", cfg, data)
+    with pytest.raises(ValueError, match=r"8 devices.*has 4"):
+        train(on(4), "onebit", dataclasses.replace(cfg, resume=True), data)

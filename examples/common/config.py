@@ -51,7 +51,8 @@ class TrainConfig:
       min_size: leaves with fewer values are averaged uncompressed.
       progress: show a progress bar per run.
       checkpoint_dir: save each run's state with orbax into
-        ``{checkpoint_dir}/{compressor}/step_<n>`` ("" : no checkpoints).
+        ``{checkpoint_dir}/{compressor}/step_<n>`` (the entropy quantizer's
+        plans beside it, ``step_<n>.json``; "" : no checkpoints).
       checkpoint_every: steps between checkpoints (0: once per epoch); the
         last step is always saved.
       resume: continue each run from its latest checkpoint in

@@ -21,6 +21,9 @@ the host between steps and one compiled step is cached per plan:
    by x1.25 per plan. (Doubling it, as before, kept the next few plans at up
    to twice the stream words the gradients needed:
    `examples/parity_diagnostics.py` shows it per layer and plan.)
+
+Checkpoints keep the current plans and margin (`Planner.host_state`), so a
+resumed run compiles the same step and continues bit-identically.
 """
 
 from __future__ import annotations
@@ -130,6 +133,22 @@ class Planner:
         self.margin = max(MARGIN, margin / GROWTH)
         self.plans = plans
         return self._compiled(plans)
+
+    def host_state(self) -> dict:
+        """What a checkpoint keeps of the planner: the current plans and margin
+        (JSON values; `resume` takes them back)."""
+        return {"margin": self.margin,
+                "plans": {path: [plan.bits, plan.words] for path, plan in self.plans.items()}}
+
+    def resume(self, saved: dict, opt_state):
+        """The compiled step for the plans of a checkpoint (`host_state`), so that
+        a resumed run replans at the same steps, with the same margin, as a run
+        never interrupted."""
+        self._state = opt_state
+        self.margin = saved["margin"]
+        self.plans = {path: qc.EntropyPlan(int(bits), int(words))
+                      for path, (bits, words) in saved["plans"].items()}
+        return self._compiled(self.plans)
 
     def retry(self, params, opt_state, x, y):
         """After an overflow: grow the margin and rerun the step; (step, outputs)."""

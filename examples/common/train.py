@@ -220,9 +220,13 @@ def train(dp: DataParallel, name: str, cfg, data, *, progress=None) -> RunResult
     save_every = cfg.checkpoint_every or max(1, len(data.x_train) // global_batch)
     first = 0
     if ckpt is not None and cfg.resume and ckpt.latest_step() is not None:
-        restored = ckpt.restore(ckpt.latest_step(), {
+        latest = ckpt.latest_step()
+        restored = ckpt.restore(latest, {
             "params": params, "opt_state": opt_state, "step": dp.replicate(np.int32(0))})
         params, opt_state, first = restored["params"], restored["opt_state"], step_of(restored)
+        saved = ckpt.host_state(latest)
+        if planner is not None and saved is not None:
+            step = planner.resume(saved, opt_state)
     result = RunResult(name, [first], [dp.accuracy(params, data.x_test, data.y_test)], [],
                        0, 0, 0.0, 0.0)
     bar = progress(total, name, initial=first) if progress else None
@@ -230,7 +234,7 @@ def train(dp: DataParallel, name: str, cfg, data, *, progress=None) -> RunResult
     for i, (x, y) in enumerate(batches(data, global_batch, total, cfg.seed, start=first),
                                start=first):
         args = (params, opt_state) + dp.batch(x, y)
-        if planner is not None and (i % cfg.entropy_replan_every == 0 or i == first):
+        if planner is not None and (i % cfg.entropy_replan_every == 0 or planner.plans is None):
             step = planner.step(*args)
         fresh = step not in compiled
         compiled.add(step)
@@ -247,7 +251,8 @@ def train(dp: DataParallel, name: str, cfg, data, *, progress=None) -> RunResult
         result.losses.append(float(local_values(losses).mean()))
         if ckpt is not None and ((i + 1) % save_every == 0 or i + 1 == total):
             ckpt.save(i + 1, {"params": params, "opt_state": opt_state,
-                              "step": dp.replicate(np.int32(i + 1))})
+                              "step": dp.replicate(np.int32(i + 1))},
+                      planner.host_state() if planner is not None else None)
         if (i + 1) % every == 0 or i + 1 == total:
             result.steps.append(i + 1)
             result.accuracy.append(dp.accuracy(params, data.x_test, data.y_test))
@@ -257,6 +262,11 @@ def train(dp: DataParallel, name: str, cfg, data, *, progress=None) -> RunResult
                             refresh=False)
     if bar is not None:
         bar.close()
+    if args is None:  # resumed at the end: the step is measured, not run
+        x, y = next(batches(data, global_batch, 1, cfg.seed))
+        args = (params, opt_state) + dp.batch(x, y)
+        if planner is not None and planner.plans is None:
+            step = planner.step(*args)
     most = qc.wire_bytes(step, *args)
     result.wire_bytes = qc.wire_bytes(step, *args, branches="min") if comm.phased else most
     result.wire_bytes_max = most

@@ -2,6 +2,8 @@
 
     python examples/mnist_cnn/main.py                        # defaults
     python examples/mnist_cnn/main.py --compressors none,gradiveq --epochs 2
+    python examples/mnist_cnn/main.py --checkpoint-dir ckpt --checkpoint-every 100
+    python examples/mnist_cnn/main.py --checkpoint-dir ckpt --resume true  # continue
     python examples/mnist_cnn/main.py --help
 
 Same output as the MLP example: a progress bar per run, the table, and

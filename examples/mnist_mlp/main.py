@@ -2,6 +2,8 @@
 
     python examples/mnist_mlp/main.py                       # defaults: a few minutes on CPU
     python examples/mnist_mlp/main.py --compressors all --epochs 3
+    python examples/mnist_mlp/main.py --checkpoint-dir ckpt  # orbax, once per epoch
+    python examples/mnist_mlp/main.py --checkpoint-dir ckpt --resume true  # continue
     python examples/mnist_mlp/main.py --help
 
 On a CPU machine the devices are simulated (8 by default; set
