@@ -51,19 +51,40 @@ def test_docstring_examples(name):
     assert result.failed == 0
 
 
+def _chains():
+    """Each Python block with the ``# continued`` blocks that follow it, per page."""
+    chains = []
+    for page in PAGES:
+        for language, line, code in fenced_blocks(page.read_text()):
+            if language != "python":
+                continue
+            if code.startswith(CONTINUED) and chains and chains[-1][0] == page:
+                chains[-1][1].append((line, code))
+            else:
+                chains.append((page, [(line, code)]))
+    return chains
+
+
+CHAINS = _chains()
+
+
 @pytest.mark.parametrize("page", PAGES, ids=_name)
-def test_python_blocks_run(page):
-    namespace = None
-    for language, line, code in fenced_blocks(page.read_text()):
+def test_fences_name_their_language(page):
+    text = page.read_text()
+    for language, line, code in fenced_blocks(text):
         assert language, f"{_name(page)}:{line - 1}: a fence without a language"
-        if language != "python":
-            continue
-        if not code.startswith(CONTINUED) or namespace is None:
-            assert not code.startswith(CONTINUED), (
-                f"{_name(page)}:{line}: '{CONTINUED}' on the first Python block")
-            namespace = {"__name__": f"docs_block_{line}"}
+        if language == "python" and code.startswith(CONTINUED):
+            previous = [c for lang, n, c in fenced_blocks(text) if lang == "python" and n < line]
+            assert previous, f"{_name(page)}:{line}: '{CONTINUED}' on the first Python block"
+
+
+@pytest.mark.parametrize("page, blocks", CHAINS,
+                         ids=[f"{_name(page)}:{blocks[0][0]}" for page, blocks in CHAINS])
+def test_python_blocks_run(page, blocks):
+    namespace = {"__name__": f"docs_block_{blocks[0][0]}"}
+    for line, code in blocks:
         # Padding keeps tracebacks pointing at the page's own line numbers.
-        exec(compile("\n" * (line - 1) + code, _name(page), "exec"), namespace)  # noqa: S102
+        exec(compile("\n" * (line - 1) + code, _name(page), "exec"), namespace)
 
 
 def _slug(heading: str) -> str:
