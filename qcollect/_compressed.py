@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from qcollect._config import check_choice
+from qcollect._config import check_choice, check_int
 from qcollect._layout import BUCKET_BYTES, Segment, plan_segments
 from qcollect._payload import Compressor
 from qcollect._ring import (
@@ -117,9 +117,9 @@ class _Codec(NamedTuple):
     compressor: Compressor
     valid: jax.Array | None
 
-    def encode(self, chunk, key, j):
+    def _code(self, method, chunk, key, j):
         if self.valid is None:
-            return self.compressor.encode(chunk, key)
+            return method(chunk, key)
         valid = take_chunk(self.valid, j)
         # Padding must be zero, as `Compressor.masks_padding` promises: a sum
         # of decodes (the owner's, a ring hop's) holds whatever the decoder
@@ -127,17 +127,25 @@ class _Codec(NamedTuple):
         rows = chunk.reshape(valid.shape[0], -1)
         real = jnp.arange(rows.shape[1], dtype=jnp.int32)[None, :] < valid[:, None]
         chunk = jnp.where(real, rows, jnp.zeros((), chunk.dtype)).reshape(chunk.shape)
-        return self.compressor.encode(chunk, key, valid=valid)
+        return method(chunk, key, valid=valid)
 
-    def encode_all(self, chunks: _Chunks, keys):
-        """Payloads of all ``n`` chunks, stacked. Contiguous chunks are
-        vmapped; column blocks are encoded one after the other straight from
-        the side-by-side matrix (XLA:CPU runs a vmapped column codec over a
-        transposed copy several times slower than the loop)."""
+    def encode(self, chunk, key, j):
+        return self._code(self.compressor.encode, chunk, key, j)
+
+    def round_trip(self, chunk, key, j):
+        """``(payload, decode(payload))`` of chunk ``j`` (`Compressor.round_trip`)."""
+        return self._code(self.compressor.round_trip, chunk, key, j)
+
+    def round_trip_all(self, chunks: _Chunks, keys):
+        """Payloads of all ``n`` chunks and what they decode to, stacked.
+        Contiguous chunks are vmapped; column blocks are encoded one after the
+        other straight from the side-by-side matrix (XLA:CPU runs a vmapped
+        column codec over a transposed copy several times slower than the
+        loop)."""
         index = jnp.arange(chunks.n)
         if not chunks.segment.columns:
-            return jax.vmap(self.encode)(chunks.data, keys, index)
-        return lax.map(lambda j: self.encode(chunks.take(j), keys[j], j), index)
+            return jax.vmap(self.round_trip)(chunks.data, keys, index)
+        return lax.map(lambda j: self.round_trip(chunks.take(j), keys[j], j), index)
 
     def decode(self, payload):
         return self.compressor.decode(payload)
@@ -156,7 +164,7 @@ def _gather(axis_name, payload):
 
 
 def _ring_compressed(chunks, axis_name, codec, key, n, me):
-    payloads = codec.encode_all(chunks, _chunk_keys(key, n))
+    payloads, contributed = codec.round_trip_all(chunks, _chunk_keys(key, n))
     own = lambda j: jax.tree.map(lambda leaf: take_chunk(leaf, j), payloads)  # noqa: E731
 
     def step(s, acc):
@@ -165,11 +173,11 @@ def _ring_compressed(chunks, axis_name, codec, key, n, me):
 
     reduced = lax.fori_loop(0, n - 1, step, as_varying(own(me - 1), axis_name))
     gathered = _gather(axis_name, reduced)
-    return codec.decode_all(gathered), codec.decode_all(payloads), None
+    return codec.decode_all(gathered), contributed, None
 
 
 def _pairwise(chunks, axis_name, codec, key, n, me, owner_residual):
-    payloads = codec.encode_all(chunks, _chunk_keys(key, n))
+    payloads, contributed = codec.round_trip_all(chunks, _chunk_keys(key, n))
     mine = lambda j: jax.tree.map(lambda leaf: take_chunk(leaf, j), payloads)  # noqa: E731
     # received[t] comes from device me - t and encodes chunk `me`.
     received = [mine(me)]
@@ -183,18 +191,19 @@ def _pairwise(chunks, axis_name, codec, key, n, me, owner_residual):
         operator.add, [codec.decode(p).astype(jnp.float32) for p in received])
     if owner_residual is not None:
         reduced = reduced + owner_residual.take(me).astype(jnp.float32)
-    requantized = codec.encode(reduced.astype(chunks.dtype), jax.random.fold_in(key, n), me)
-    error = reduced - codec.decode(requantized).astype(jnp.float32)
+    requantized, decoded = codec.round_trip(reduced.astype(chunks.dtype),
+                                            jax.random.fold_in(key, n), me)
+    error = reduced - decoded.astype(jnp.float32)
     gathered = _gather(axis_name, requantized)
     owner_error = lax.dynamic_update_index_in_dim(
         jnp.zeros(chunks.shape, jnp.float32), error, me, 0)
-    return codec.decode_all(gathered), codec.decode_all(payloads), owner_error
+    return codec.decode_all(gathered), contributed, owner_error
 
 
 def _ring_requantize(chunks, axis_name, codec, key, n, me):
-    first = codec.encode(chunks.take(me - 1), jax.random.fold_in(key, 0), me - 1)
+    first, decoded = codec.round_trip(chunks.take(me - 1), jax.random.fold_in(key, 0), me - 1)
     contributed = lax.dynamic_update_index_in_dim(
-        chunks.stacked(), codec.decode(first).astype(chunks.dtype), (me - 1) % n, 0)
+        chunks.stacked(), decoded.astype(chunks.dtype), (me - 1) % n, 0)
 
     def step(s, payload):
         received = shift_right(payload, axis_name, n)
@@ -215,11 +224,10 @@ def _reduce_segment(chunks: _Chunks, axis_name, codec, key, algorithm, owner_res
     ``(n, *chunk_shape)``."""
     n = chunks.n
     if n == 1:
-        payload = codec.encode(chunks.take(0), key, 0)
+        payload, decoded = codec.round_trip(chunks.take(0), key, 0)
         owner_error = jnp.zeros(chunks.shape, jnp.float32) if algorithm == "pairwise" else None
         # The gather over one device moves nothing; it makes the value invariant.
-        return (codec.decode_all(_gather(axis_name, payload)), codec.decode(payload)[None],
-                owner_error)
+        return codec.decode_all(_gather(axis_name, payload)), decoded[None], owner_error
     me = lax.axis_index(axis_name)
     chunks = chunks._replace(data=as_varying(chunks.data, axis_name))
     if algorithm == "ring":
@@ -229,9 +237,45 @@ def _reduce_segment(chunks: _Chunks, axis_name, codec, key, algorithm, owner_res
     return _ring_requantize(chunks, axis_name, codec, key, n, me)
 
 
+def _pieces(chunks: _Chunks, valid, residual, pipeline: int):
+    """A row segment's chunks cut into ``pipeline`` runs of whole rows each
+    (fewer when a chunk has fewer rows): ``[(chunks, valid, residual)]``, the
+    piece ``k`` of every device's chunk together. Column segments are one piece."""
+    seg = chunks.segment
+    rows = seg.per_chunk
+    count = min(pipeline, rows) if not seg.columns else 1
+    if count <= 1:
+        return [(chunks, valid, residual)]
+    bounds = [rows * k // count for k in range(count + 1)]
+    out = []
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        piece = Segment((0,), ((seg.n * (hi - lo) * seg.unit,),), seg.dtype, False, seg.unit,
+                        (seg.n * (hi - lo),), seg.n)
+        cut = lambda a, lo=lo, hi=hi: a[:, lo * seg.unit:hi * seg.unit]  # noqa: E731
+        out.append((_Chunks(cut(chunks.data), piece),
+                    None if valid is None else valid[:, lo:hi],
+                    None if residual is None else _Chunks(cut(residual.data), piece)))
+    return out
+
+
+def _reduce_pieces(chunks, axis_name, compressor, valid, key, algorithm, residual, pipeline):
+    """`_reduce_segment` of each pipeline piece, the results joined along the rows."""
+    pieces = _pieces(chunks, valid, residual, pipeline)
+    results = []
+    for k, (part, part_valid, part_residual) in enumerate(pieces):
+        codec = _Codec(compressor, None if part_valid is None else jnp.asarray(part_valid))
+        results.append(_reduce_segment(part, axis_name, codec,
+                                       key if len(pieces) == 1 else jax.random.fold_in(key, k),
+                                       algorithm, part_residual))
+    if len(results) == 1:
+        return results[0]
+    return tuple(None if parts[0] is None else jnp.concatenate(parts, axis=1)
+                 for parts in zip(*results, strict=True))
+
+
 def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
                           algorithm: str = "auto", mean: bool = False, fuse: bool = True,
-                          bucket_bytes: int | None = BUCKET_BYTES,
+                          bucket_bytes: int | None = BUCKET_BYTES, pipeline: int = 1,
                           owner_residual=None) -> AllReduceResult:
     """All-reduce of an array or pytree with every hop compressed.
 
@@ -257,6 +301,14 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
         would pass the cap, and a leaf of ``bucket_bytes`` or more is reduced
         on its own, so large leaves are not copied into a concatenation.
         None: no cap.
+      pipeline: pieces per chunk (row segments; column segments are never
+        cut): each device's chunk of a segment is cut into ``pipeline`` runs
+        of whole groups, and each run is reduced by its own chain of
+        collectives, so that XLA may encode or decode one run while another
+        is on the wire. Values are those of ``pipeline=1`` up to the random
+        streams of stochastic compressors; wire bytes grow only by the
+        per-run statistics. Default 1: on the CPU backend no count helped
+        (`docs/collectives.md`, "Pipelining").
       owner_residual: ``"pairwise"`` only: the previous step's ``owner_error``
         (same structure as ``x``), added to the owner's reduced chunk before
         re-encoding.
@@ -277,6 +329,7 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
       Gibiansky (ring all-reduce).
     """
     check_choice("algorithm", algorithm, ("auto",) + ALGORITHMS)
+    pipeline = check_int("pipeline", pipeline, low=1)
     if algorithm == "auto":
         algorithm = "ring" if compressor.linear else "pairwise"
     if algorithm == "ring" and not compressor.linear:
@@ -307,10 +360,9 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
                 out["owner"][m] = jnp.zeros(leaves[m].shape, jnp.float32)
             continue
         valid = seg.valid() if compressor.masks_padding else None
-        codec = _Codec(compressor, None if valid is None else jnp.asarray(valid))
         residual = None if owners is None else _Chunks(seg.laid_out(owners), seg)
-        parts = _reduce_segment(_Chunks(seg.laid_out(leaves), seg), axis_name, codec,
-                                jax.random.fold_in(key, i), algorithm, residual)
+        parts = _reduce_pieces(_Chunks(seg.laid_out(leaves), seg), axis_name, compressor,
+                               valid, jax.random.fold_in(key, i), algorithm, residual, pipeline)
         for name, part in zip(("value", "contributed", "owner"), parts, strict=True):
             if part is not None:
                 for m, leaf in zip(seg.members, seg.leaves(part), strict=True):

@@ -106,6 +106,22 @@ def with_valid(groups: Groups, valid) -> Groups:
     return groups._replace(counts=valid)
 
 
+def group_sums(view: jax.Array, groups: Groups) -> jax.Array:
+    """``(num_groups,)`` float32 sums of the view within each group.
+
+    A product with a vector of ones (at full float32 precision) rather than a
+    sum reduction: XLA:CPU runs the product as one read of the view, where a
+    reduction of the same view beside the other statistics of an encoding
+    was fused with the broadcast of its result and written out in full, which
+    made a 1-bit error-feedback round trip twice as slow (see
+    ``python -m qcollect.bench quantizers``).
+    """
+    ones = jnp.ones((groups.view[groups.axis],), jnp.float32)
+    if groups.axis == 1:
+        return jnp.matmul(view, ones, precision=jax.lax.Precision.HIGHEST)
+    return jnp.matmul(ones, view, precision=jax.lax.Precision.HIGHEST)
+
+
 def padding_mask(groups: Groups) -> jax.Array | None:
     """Bool view, True on real values: None when counts are static (no padding
     inside the view but the tail, which `to_view` zero-fills)."""

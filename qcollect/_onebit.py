@@ -18,6 +18,7 @@ from qcollect._groups import (
     column_groups,
     flat_codes,
     from_view,
+    group_sums,
     sample_within_groups,
     to_view,
     view_codes,
@@ -105,7 +106,7 @@ def onebit(*, grouping: str = "bucket", bucket_size: int = 64,
         # v + |v| is exactly 2v or 0. total - pos keeps NaN/Inf of the group in
         # the negative mean (a NaN is neither >= 0 nor < 0, else it would vanish).
         pos_sum = 0.5 * jnp.sum(view + jnp.abs(view), axis=groups.axis)
-        neg_sum = jnp.sum(view, axis=groups.axis) - pos_sum
+        neg_sum = group_sums(view, groups) - pos_sum
         pos_cnt = nonnegative_counts(view, groups, bits)
         neg_cnt = groups.counts - pos_cnt
         return pos_sum / jnp.maximum(pos_cnt, 1), neg_sum / jnp.maximum(neg_cnt, 1)
@@ -118,7 +119,8 @@ def onebit(*, grouping: str = "bucket", bucket_size: int = 64,
         poison = jnp.sum(view, axis=groups.axis) * 0.0
         return pos_mean + poison, neg_mean + poison
 
-    def encode(x, key=None, *, valid=None):
+    def encoded(x, key, valid):
+        """(payload, the group view, its groups): the view feeds `encode_decoded`."""
         x = jnp.asarray(x)
         check_floating_input(x)
         if sample is not None:
@@ -130,18 +132,32 @@ def onebit(*, grouping: str = "bucket", bucket_size: int = 64,
             pos_mean, neg_mean = exact_means(view, groups, bits)
         else:
             pos_mean, neg_mean = sampled_means(view, groups, key)
-        return Payload({"bits": bits, "pos": pos_mean, "neg": neg_mean},
-                       tuple(x.shape), x.dtype, name)
+        payload = Payload({"bits": bits, "pos": pos_mean, "neg": neg_mean},
+                          tuple(x.shape), x.dtype, name)
+        return payload, view, groups
+
+    def reconstruct(nonnegative, payload, groups):
+        """Every value replaced by the mean of its side."""
+        view = jnp.where(nonnegative, groups.expand(payload["pos"]),
+                         groups.expand(payload["neg"]))
+        return from_view(view, groups, payload.shape, payload.dtype)
+
+    def encode(x, key=None, *, valid=None):
+        return encoded(x, key, valid)[0]
+
+    def encode_decoded(x, key=None, *, valid=None):
+        # The signs come from the view, not from unpacking the bits just packed.
+        payload, view, groups = encoded(x, key, valid)
+        return payload, reconstruct(view >= 0, payload, groups)
 
     def decode(payload):
         check_format(payload, name)
         groups = groups_for(payload.shape)
         signs = view_codes(unpack_bits(payload["bits"], 1, groups.size), groups)
-        view = jnp.where(signs == 1, groups.expand(payload["pos"]), groups.expand(payload["neg"]))
-        return from_view(view, groups, payload.shape, payload.dtype)
+        return reconstruct(signs == 1, payload, groups)
 
     return Compressor(name, encode, decode, linear=False, stochastic=sample is not None,
                       block=bucket_size if grouping == "bucket" else 1, grouping=grouping,
-                      masks_padding=True,
+                      masks_padding=True, encode_decoded=encode_decoded,
                       settings=settings(grouping=grouping, bucket_size=bucket_size, sample=sample))
 

@@ -97,6 +97,10 @@ class Compressor:
         it for a leaf's last, partial bucket and for padding chunks.
       settings: the factory's settings as ``(name, value)`` pairs, in the
         factory's argument order.
+      encode_decoded: optional ``encode_decoded(x, key=None, **kw) ->
+        (payload, x_hat)`` with ``x_hat == decode(payload)``, computed in
+        the encoding pass from the values the codes were made of (no
+        unpacking): what `round_trip` runs when the format allows it.
 
     Example:
       >>> import jax, jax.numpy as jnp, qcollect as qc
@@ -121,6 +125,32 @@ class Compressor:
     grouping: str = "element"
     masks_padding: bool = False
     settings: tuple[tuple[str, Any], ...] = ()
+    encode_decoded: Callable[..., tuple[Payload, jax.Array]] | None = dataclasses.field(
+        default=None, compare=False)
+
+    def round_trip(self, x, key=None, **kwargs) -> tuple[Payload, jax.Array]:
+        """``(payload, decode(payload))`` of ``x``: the error-feedback round trip.
+
+        Error feedback keeps ``x - decode(encode(x))``. Compressors whose
+        decoded values follow from the encoding pass's own intermediates
+        (1-bit: each value's side mean; QSGD: each level times its step)
+        return them from that pass, so one program reads ``x`` once instead
+        of encoding, then unpacking the codes it just packed. Others encode,
+        then decode. Either way ``x_hat`` equals ``decode(payload)`` bit for
+        bit. ``kwargs`` go to ``encode`` (``valid=`` where
+        ``masks_padding``).
+
+        Example:
+          >>> import jax.numpy as jnp, qcollect as qc
+          >>> c = qc.onebit(bucket_size=4)
+          >>> payload, x_hat = c.round_trip(jnp.array([1., 3., -2., -4.]))
+          >>> x_hat
+          Array([ 2.,  2., -3., -3.], dtype=float32)
+        """
+        if self.encode_decoded is not None:
+            return self.encode_decoded(x, key, **kwargs)
+        payload = self.encode(x, key, **kwargs)
+        return payload, self.decode(payload)
 
     def _identity(self) -> tuple:
         return (type(self), self.name, self.linear, self.stochastic, self.block,

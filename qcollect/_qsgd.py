@@ -74,7 +74,8 @@ def qsgd(*, bits: int = 4, bucket_size: int | None | str = "default", norm: str 
     sign_bit = 1 << (bits - 1)
     name = f"qsgd/b{bits}/{bucket_size or 'whole'}/{norm}" + ("" if stochastic else "/nearest")
 
-    def encode(x, key=None):
+    def encoded(x, key):
+        """(payload, each value's signed level, as float32 in the group view)."""
         x = jnp.asarray(x)
         check_floating_input(x)
         if stochastic:
@@ -98,21 +99,36 @@ def qsgd(*, bits: int = 4, bucket_size: int | None | str = "default", norm: str 
         else:
             level = level + 0.5
         level = jnp.minimum(jnp.floor(level), levels).astype(jnp.uint32)
-        codes = jnp.where(view < 0, level | sign_bit, level)
+        negative = view < 0
+        codes = jnp.where(negative, level | sign_bit, level)
         words = pack_bits(flat_codes(codes, groups), bits)
-        return Payload({"codes": words, "scale": scale}, tuple(x.shape), x.dtype, name)
+        payload = Payload({"codes": words, "scale": scale}, tuple(x.shape), x.dtype, name)
+        return payload, negative, level, groups
+
+    def reconstruct(negative, level, payload, groups):
+        """``scale * sgn * level / s`` per value, as decode computes it."""
+        step = payload["scale"][:, None] * (1.0 / levels)
+        level = level.astype(jnp.float32)
+        view = jnp.where(negative, -level, level) * step
+        return from_view(view, groups, payload.shape, payload.dtype)
+
+    def encode(x, key=None):
+        return encoded(x, key)[0]
+
+    def encode_decoded(x, key=None):
+        # The levels and signs come from the encoding, not from unpacking its words.
+        payload, negative, level, groups = encoded(x, key)
+        return payload, reconstruct(negative, level, payload, groups)
 
     def decode(payload):
         check_format(payload, name)
         groups = bucket_groups(payload.shape, bucket_size)
         codes = view_codes(unpack_bits(payload["codes"], bits, groups.size), groups)
-        step = payload["scale"][:, None] * (1.0 / levels)
-        level = (codes & (sign_bit - 1)).astype(jnp.float32)
-        view = jnp.where(codes >= sign_bit, -level, level) * step
-        return from_view(view, groups, payload.shape, payload.dtype)
+        return reconstruct(codes >= sign_bit, codes & (sign_bit - 1), payload, groups)
 
     # Zero padding leaves a bucket's max- or 2-norm unchanged: no valid counts.
     return Compressor(name, encode, decode, linear=False, stochastic=stochastic,
                       block=bucket_size or 1, grouping="bucket" if bucket_size else "leaf",
+                      encode_decoded=encode_decoded,
                       settings=settings(bits=bits, bucket_size=bucket_size, norm=norm,
                                         stochastic=stochastic))

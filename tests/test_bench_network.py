@@ -67,6 +67,8 @@ def test_launch_command_runs_this_file_under_the_launcher():
     (["--sizes", "a,b"], "--sizes"),
     (["--repeats", "0"], "--repeats"),
     (["--nproc", "0"], "--nproc"),
+    (["--pipeline", "0"], "--pipeline"),
+    (["--pipeline", "two"], "--pipeline"),
 ])
 def test_bad_arguments_exit_2_naming_the_argument(args, message):
     run = _bench(*args, timeout=60)
@@ -84,3 +86,59 @@ def test_swap_probe_times_one_swap_and_its_pieces(tmp_path):
     assert cells[0] == "2" and all(float(c) > 0 for c in cells[1:4])
     # Across processes the 2 MiB swap goes in 256 KiB pieces: 8 collective-permutes.
     assert cells[4] == "1 / 8"
+
+
+def test_floors_bound_every_row_and_rewrite_the_table(rows, tmp_path):
+    """The two floors and the efficiency, from a shaped run's CSV and an unshaped one's."""
+    shaped, unshaped = tmp_path / "shaped", tmp_path / "shaped_unshaped"
+    fields = list(next(iter(rows.values())))
+    for path, scale in ((shaped, 3.0), (unshaped, 1.0)):
+        with open(path.with_suffix(".csv"), "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=fields)
+            writer.writeheader()
+            writer.writerows(dict(r, median_ms=scale * float(r["median_ms"]))
+                             for r in rows.values())
+    rate = 100_000_000
+    network.add_floors(shaped, unshaped, rate)
+    with open(shaped.with_suffix(".csv")) as f:
+        merged = list(csv.DictReader(f))
+    assert len(merged) == len(rows)
+    for r in merged:
+        wire_floor = 1e3 * 8 * int(r["wire_bytes"]) / rate
+        assert float(r["wire_floor_ms"]) == pytest.approx(wire_floor)
+        assert float(r["unshaped_ms"]) == pytest.approx(float(r["median_ms"]) / 3)
+        floor = max(wire_floor, float(r["unshaped_ms"]))
+        assert float(r["efficiency"]) == pytest.approx(floor / float(r["median_ms"]))
+        assert float(r["of_wire_ratio"]) == pytest.approx(
+            float(r["speedup_vs_psum"]) / float(r["wire_vs_psum"]))
+    text = shaped.with_suffix(".md").read_text()
+    assert "| wire floor ms | transport ms | unshaped ms | efficiency |" in text
+    assert text.count("\n") == 2 + len(rows)
+
+
+def test_pipeline_counts_name_one_row_per_compressed_method_and_count():
+    from qcollect.bench import _network
+
+    assert _network.with_pipelines(["psum", "ring", "onebit", "pca"], [1, 4]) == [
+        "psum", "ring", "onebit", "onebit/p4", "pca", "pca/p4"]
+
+
+def test_transport_only_moves_the_compressors_bytes_without_its_codec():
+    """The transport floor's stand-in sends exactly the real payload's bytes."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import qcollect as qc
+    from qcollect.bench import _network
+
+    mesh = jax.make_mesh((4,), ("d",), devices=jax.devices()[:4])
+    x = jax.device_put(jnp.ones((4, 4096)), NamedSharding(mesh, P("d")))
+    for c in (qc.onebit(), qc.qsgd(bits=8), qc.cast("bfloat16"), qc.adaptive(grouping="bucket")):
+        real, moved = (jax.jit(jax.shard_map(
+            lambda v, c=cc: qc.compressed_all_reduce(v[0], "d", c, jax.random.key(0)).value,
+            mesh=mesh, in_specs=P("d"), out_specs=P())) for cc in (c, _network.transport_only(c)))
+        assert qc.wire_bytes(moved, x) == qc.wire_bytes(real, x) > 0
+        ops = [op.op for op in qc.wire_report(moved, x)]
+        assert ops == [op.op for op in qc.wire_report(real, x)]

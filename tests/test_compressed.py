@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
 from qcollect._layout import plan_segments
-from tests.helpers import per_device
+from tests.helpers import mesh_of, per_device
 
 
 def _reduce(n, compressor, algorithm, **kw):
@@ -166,6 +166,58 @@ def test_bad_arguments():
         run(compressor=qc.qsgd())
     with pytest.raises(ValueError, match="owner_residual"):
         run(compressor=qc.identity(), algorithm="ring", owner_residual=jnp.ones(4))
+    for bad in (0, -1, 2.5):
+        with pytest.raises(ValueError, match="pipeline"):
+            run(compressor=qc.identity(), pipeline=bad)
+
+
+# Deterministic compressors, so that every pipeline count draws nothing random.
+PIPELINED = [(qc.identity(), "ring"), (qc.cast("bfloat16"), "ring"),
+             (qc.onebit(), "pairwise"), (qc.qsgd(bits=4, stochastic=False), "pairwise"),
+             (qc.qsgd(bits=8, stochastic=False), "ring_requantize"),
+             (qc.onebit(grouping="column"), "pairwise")]
+
+
+@pytest.mark.parametrize("compressor, algorithm", PIPELINED, ids=lambda v: getattr(v, "name", v))
+@pytest.mark.parametrize("pipeline", [2, 3, 64])
+def test_pipeline_pieces_give_the_same_reduction(compressor, algorithm, pipeline):
+    """Cutting each chunk into runs of whole groups changes which collectives move
+    the words, not the sum, what each device contributed or the owner errors; a
+    count above a chunk's groups is capped. A tree of odd sizes, one bfloat16 leaf."""
+    n = 3
+    keys = jax.random.split(jax.random.key(7), 3)
+    x = {"w": jax.random.normal(keys[0], (n, 301, 7)), "b": jax.random.normal(keys[1], (n, 5)),
+         "h": jax.random.normal(keys[2], (n, 1000)).astype(jnp.bfloat16)}
+    base = _reduce(n, compressor, algorithm)(x, _keys(n))
+    piped = _reduce(n, compressor, algorithm, pipeline=pipeline)(x, _keys(n))
+    for name in x:
+        for field in ("value", "contributed", "owner_error"):
+            a, b = getattr(base, field), getattr(piped, field)
+            if a is None:
+                assert b is None
+                continue
+            a, b = np.asarray(a[name], np.float32), np.asarray(b[name], np.float32)
+            # Sums may round in another order (a different fusion), nothing more.
+            scale = np.abs(np.asarray(x[name], np.float32)).sum(0).max()
+            np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * scale + 1e-6)
+
+
+def test_pipeline_cuts_the_collectives_not_the_bytes():
+    """pipeline=4: four chains of collectives for a 4-bucket chunk; wire bytes equal
+    up to nothing (1-bit's means are per bucket, so the runs add none)."""
+    n = 2
+    x = jax.device_put(jnp.ones((n, n * 4 * 64)), NamedSharding(mesh_of(n), P("d")))
+
+    def reduce(pipeline):
+        fn = jax.shard_map(lambda v: qc.compressed_all_reduce(
+            v[0], "d", qc.onebit(), algorithm="pairwise", pipeline=pipeline).value,
+            mesh=mesh_of(n), in_specs=P("d"), out_specs=P())
+        return jax.jit(fn)
+
+    one, four = (qc.wire_report(reduce(p), x) for p in (1, 4))
+    assert qc.wire_bytes(reduce(1), x) == qc.wire_bytes(reduce(4), x)
+    gathers = lambda ops: sum(op.multiplicity for op in ops if op.op == "all-gather")  # noqa: E731
+    assert gathers(four) == 4 * gathers(one)
 
 
 def test_under_pmap():

@@ -179,3 +179,50 @@ def test_linear_compressors_commute_with_sum(length, seed):
             np.asarray(sum(c.decode(p) for p in payloads), np.float32),
             rtol=2e-2, atol=2e-2)
     assert qc.identity().linear and not qc.qsgd().linear and not qc.onebit().linear
+
+
+def _bits(a):
+    """An array's bit pattern (NaNs compare equal to themselves)."""
+    a = np.asarray(a)
+    return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32) if a.size else a
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+@pytest.mark.parametrize("shape,dtype", [((1000,), jnp.float32), ((3, 5, 7), jnp.bfloat16),
+                                         ((13,), jnp.float16), ((0,), jnp.float32)],
+                         ids=str)
+@pytest.mark.parametrize("poison", [False, True], ids=["finite", "nan"])
+def test_round_trip_is_encode_then_decode(name, shape, dtype, poison):
+    """``round_trip(x)`` is ``(encode(x), decode(encode(x)))`` bit for bit, fused or not,
+    in one jitted program (as error feedback runs it), NaN included."""
+    c = COMPRESSORS[name]()
+    x = jax.random.normal(jax.random.key(3), shape, jnp.float32)
+    if poison and x.size:
+        x = x.at[(0,) * x.ndim].set(jnp.nan)
+    x = x.astype(dtype)
+    key = jax.random.key(4)
+    payload, x_hat = jax.jit(c.round_trip)(x, key)
+    expected = jax.jit(c.encode)(x, key)
+    for got, want in zip(jax.tree.leaves(payload), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(_bits(got), _bits(want))
+    np.testing.assert_array_equal(_bits(x_hat), _bits(jax.jit(c.decode)(expected)))
+
+
+@pytest.mark.parametrize("c", [qc.onebit(), qc.onebit(grouping="column"), qc.qsgd(bits=4),
+                               qc.qsgd(bits=8, norm="l2")], ids=lambda c: c.name)
+def test_fused_round_trip_with_padding_counts(c):
+    """The fused path with ``valid=`` counts (a collective's partial groups)."""
+    x = jax.random.normal(jax.random.key(5), (6, 128))
+    kwargs = {}
+    if c.grouping == "column":  # 128 columns of 6 rows; the last has 3 real ones
+        kwargs["valid"] = jnp.full((128,), 6, jnp.int32).at[-1].set(3)
+        x = x.at[3:, -1].set(0.0)
+    elif c.masks_padding:  # 12 buckets of 64; the last has 3 real values
+        kwargs["valid"] = jnp.full((12,), 64, jnp.int32).at[-1].set(3)
+        x = x.reshape(-1).at[-61:].set(0.0).reshape(6, 128)
+    assert c.encode_decoded is not None
+    payload, x_hat = jax.jit(lambda x, k: c.round_trip(x, k, **kwargs))(x, jax.random.key(6))
+    want = jax.jit(lambda x, k: c.encode(x, k, **kwargs))(x, jax.random.key(6))
+    for got, ref in zip(jax.tree.leaves(payload), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    np.testing.assert_array_equal(np.asarray(x_hat), np.asarray(jax.jit(c.decode)(want)))

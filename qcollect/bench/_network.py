@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding
@@ -13,14 +14,51 @@ from qcollect.bench._timing import interleaved_medians
 from qcollect.bench.collectives import _pca_for, _structured
 
 MIB = 1 << 20
+#: Methods without a codec: their transport is themselves.
+UNCOMPRESSED = ("psum", "ring")
 
 
-def _reducer(method: str, size: int, n: int):
-    """``v -> estimate of the sum over axis "d"`` for one method."""
+def transport_only(compressor: qc.Compressor) -> qc.Compressor:
+    """``compressor``'s wire format without its codec.
+
+    Encoding fills a payload of the real one's shapes and dtypes (read with
+    `jax.eval_shape`) with the chunk's first values, converted; decoding
+    broadcasts the sum of one value of each payload array over the output.
+    In `compressed_all_reduce` it runs the same collectives on the same bytes
+    as ``compressor``, so its time is what the transfers alone take on the
+    link: the transport floor.
+    """
+
+    def encode(x, key=None, **kwargs):
+        template = jax.eval_shape(lambda x: compressor.encode(x, jax.random.key(0), **kwargs), x)
+        flat = jnp.ravel(x)
+        arrays = {}
+        for k, (name, leaf) in enumerate(template.arrays.items()):
+            count = int(np.prod(leaf.shape))
+            values = jnp.resize(flat, (count,)) if flat.size else jnp.zeros((count,), flat.dtype)
+            # + k: arrays of one shape must differ, or XLA sends one for both.
+            arrays[name] = (values + k).astype(leaf.dtype).reshape(leaf.shape)
+        return qc.Payload(arrays, template.shape, template.dtype, "transport/" + compressor.name)
+
+    def decode(payload):
+        # One value of every array, so that none is left unsent as dead code.
+        first = sum(leaf.reshape(-1)[:1].astype(jnp.float32)
+                    for leaf in jax.tree.leaves(payload.arrays))
+        return jnp.broadcast_to(first, payload.shape).astype(payload.dtype)
+
+    return qc.Compressor("transport/" + compressor.name, encode, decode,
+                         linear=compressor.linear, stochastic=False, block=compressor.block,
+                         grouping=compressor.grouping, masks_padding=compressor.masks_padding)
+
+
+def _reducer(method: str, size: int, n: int, transport: bool = False):
+    """``v -> estimate of the sum over axis "d"`` for one method (``transport``:
+    the same collectives without the codec, `transport_only`)."""
     if method == "psum":
         return lambda v: lax.psum(v, "d")
     if method == "ring":
         return lambda v: qc.ring_all_reduce(v, "d")
+    method, _, pieces = method.partition("/p")
     compressor, algorithm = {
         "cast-bf16": (lambda: qc.cast("bfloat16"), "ring"),
         "qsgd-8": (lambda: qc.qsgd(bits=8), "pairwise"),
@@ -30,8 +68,24 @@ def _reducer(method: str, size: int, n: int):
         "pca": (lambda: _pca_for(size, n), "ring"),
     }[method]
     c = compressor()
+    if transport:
+        c = transport_only(c)
     key = jax.random.key(0)
-    return lambda v: qc.compressed_all_reduce(v, "d", c, key, algorithm=algorithm).value
+    pipeline = int(pieces or 1)
+    return lambda v: qc.compressed_all_reduce(v, "d", c, key, algorithm=algorithm,
+                                              pipeline=pipeline).value
+
+
+def with_pipelines(methods: list[str], pipelines: list[int]) -> list[str]:
+    """Every compressed method once per pipeline count: ``onebit`` for 1,
+    ``onebit/p4`` for 4 (uncompressed methods once)."""
+    out = []
+    for m in methods:
+        if m in UNCOMPRESSED:
+            out.append(m)
+        else:
+            out += [m if p == 1 else f"{m}/p{p}" for p in pipelines]
+    return out
 
 
 def _buffers(size: int, mesh) -> jax.Array:
@@ -75,14 +129,22 @@ def measure(sizes_mib: list[float], methods: list[str], repeats: int) -> list[di
         exact = _local_row(calls["psum"][0](x))
         errors = {m: float(np.linalg.norm(_local_row(fn(*a)) - exact) / np.linalg.norm(exact))
                   for m, (fn, a) in calls.items()}
+        moves = {m: (_mapped(_reducer(m, size, n, transport=True), mesh), (x,))
+                 for m in methods if m not in UNCOMPRESSED}
         wire = {m: qc.wire_bytes(fn, *a) for m, (fn, a) in calls.items()}
-        seconds = interleaved_medians(calls, repeats)  # psum always, for the speedup
+        for m, (fn, a) in moves.items():
+            if qc.wire_bytes(fn, *a) != wire[m]:
+                raise AssertionError(f"the transport of {m} moves other bytes than {m}")
+        # psum always, for the speedup; each method beside its transport.
+        seconds = interleaved_medians(
+            {**calls, **{f"{m} transport": call for m, call in moves.items()}}, repeats)
         for m in methods:
+            transport = seconds.get(f"{m} transport", seconds[m])
             row = {"processes": jax.process_count(), "devices": n, "mib": mib,
                    "values": size, "method": m, "median_ms": 1e3 * seconds[m],
                    "speedup_vs_psum": seconds["psum"] / seconds[m],
                    "wire_bytes": wire[m], "wire_vs_psum": wire["psum"] / wire[m],
-                   "relative_error": errors[m]}
+                   "transport_ms": 1e3 * transport, "relative_error": errors[m]}
             rows.append(row)
             if rank0:
                 print(table_row(row), flush=True)
@@ -122,19 +184,59 @@ def swap_probe(sizes_mib: list[float], repeats: int) -> str | None:
     return "\n".join(lines) if jax.process_index() == 0 else None
 
 
-def table_header() -> str:
-    return ("| MiB / process | method | median ms | speedup vs psum | wire bytes / process "
-            "| wire vs psum | rel. error of sum |\n|---:|---|---:|---:|---:|---:|---:|")
+def with_floors(rows: list[dict], unshaped_ms: dict, rate_bits: int) -> list[dict]:
+    """``rows`` (as read from the CSV) with the physical limits of each.
+
+    ``unshaped_ms`` maps ``(mib, method)`` (the CSV's strings) to the median
+    of the same program on an unshaped network. Adds ``wire_floor_ms``
+    (``8 * wire_bytes / rate_bits``), ``unshaped_ms``, ``efficiency``
+    (``max(wire floor, unshaped) / median``) and ``of_wire_ratio`` (the
+    speedup over psum divided by the wire-byte ratio).
+    """
+    out = []
+    for r in rows:
+        median = float(r["median_ms"])
+        wire_floor = 1e3 * 8 * int(r["wire_bytes"]) / rate_bits
+        unshaped = unshaped_ms.get((r["mib"], r["method"]), float("nan"))
+        out.append(dict(r, wire_floor_ms=wire_floor, unshaped_ms=unshaped,
+                        efficiency=max(wire_floor, unshaped) / median,
+                        of_wire_ratio=float(r["speedup_vs_psum"]) / float(r["wire_vs_psum"])))
+    return out
+
+
+_COLUMNS = [  # (header, alignment, format of the row's value)
+    ("MiB / process", "---:", lambda r: f"{float(r['mib']):g}"),
+    ("method", "---", lambda r: r["method"]),
+    ("median ms", "---:", lambda r: f"{float(r['median_ms']):.1f}"),
+    ("speedup vs psum", "---:", lambda r: f"{float(r['speedup_vs_psum']):.2f}x"),
+    ("wire bytes / process", "---:", lambda r: f"{int(r['wire_bytes']):,}"),
+    ("wire vs psum", "---:", lambda r: f"{float(r['wire_vs_psum']):.1f}x"),
+    ("of wire ratio", "---:", lambda r: f"{100 * float(r['of_wire_ratio']):.0f}%"),
+    ("wire floor ms", "---:", lambda r: f"{float(r['wire_floor_ms']):.1f}"),
+    ("transport ms", "---:", lambda r: f"{float(r['transport_ms']):.1f}"),
+    ("unshaped ms", "---:", lambda r: f"{float(r['unshaped_ms']):.1f}"),
+    ("efficiency", "---:", lambda r: f"{float(r['efficiency']):.2f}"),
+    ("rel. error of sum", "---:", lambda r: f"{float(r['relative_error']):.2e}"),
+]
+_FLOORS = {"of wire ratio", "wire floor ms", "unshaped ms", "efficiency"}
+
+
+def _columns(floors: bool):
+    return [c for c in _COLUMNS if floors or c[0] not in _FLOORS]
+
+
+def table_header(floors: bool = False) -> str:
+    cols = _columns(floors)
+    return ("| " + " | ".join(c[0] for c in cols) + " |\n|"
+            + "|".join(c[1] for c in cols) + "|")
 
 
 def table_row(r: dict) -> str:
-    return (f"| {r['mib']:g} | {r['method']} | {r['median_ms']:.1f} | "
-            f"{r['speedup_vs_psum']:.2f}x | {r['wire_bytes']:,} | {r['wire_vs_psum']:.1f}x | "
-            f"{r['relative_error']:.2e} |")
+    return "| " + " | ".join(c[2](r) for c in _columns("efficiency" in r)) + " |"
 
 
 def table(rows: list[dict]) -> str:
-    return "\n".join([table_header()] + [table_row(r) for r in rows])
+    return "\n".join([table_header("efficiency" in rows[0])] + [table_row(r) for r in rows])
 
 
 def plot(rows: list[dict], path, bandwidth: str) -> bool:

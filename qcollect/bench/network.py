@@ -24,6 +24,19 @@ the wire bytes each process sends per call (read from the compiled HLO by
 `qcollect.wire_bytes`), the speedup over ``psum`` and the relative error of
 the sum. Rank 0 writes ``OUT.csv``, ``OUT.md`` and ``OUT.png``.
 
+The physical limits: run directly on a shaped network, the benchmark then
+runs the same programs again on an unshaped loopback network (``OUT_unshaped``)
+and gives every row two floors: the wire floor, the bytes each process sends
+over the link rate (``8 * wire bytes / rate``: no program is faster on that
+link), and the unshaped time, what the same compiled program takes when the
+link does not limit it (codec, memory traffic and the collective's own
+overhead; on 4 processes sharing 2 cores, the codec floor). ``efficiency``
+is ``max(wire floor, unshaped) / median``: 1.0 when the transfer and the
+codec overlap perfectly, 0.5 when they run one after the other and are
+equally long. ``of wire ratio`` is the speedup over psum divided by the
+wire-byte ratio: the share of what the bytes saved promise that the method
+delivers (wire-bound regime). ``--no-floors`` skips the unshaped run.
+
 Run it directly (``--bandwidth none`` for an unshaped loopback network, which
 needs no root), or under your own launcher command; it detects a launched
 process and then only measures::
@@ -47,6 +60,7 @@ import subprocess
 import sys
 
 import qcollect.launch
+from qcollect.launch._args import parse_rate
 
 METHODS = ("psum", "ring", "cast-bf16", "qsgd-8", "qsgd-4", "onebit", "adaptive", "pca")
 
@@ -62,6 +76,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="comma-separated buffer sizes in MiB per process (default 1,4,16,64)")
     p.add_argument("--methods", default=",".join(METHODS),
                    help=f"comma-separated subset of {','.join(METHODS)}")
+    p.add_argument("--pipeline", default="1",
+                   help="comma-separated pipeline counts (compressed_all_reduce's pipeline=): "
+                        "each compressed method is measured once per count, as METHOD/pN "
+                        "(default 1)")
     p.add_argument("--repeats", type=int, default=7,
                    help="timed repetitions per size, medians reported (default 7)")
     p.add_argument("--swap-probe", action="store_true",
@@ -69,6 +87,9 @@ def _parser() -> argparse.ArgumentParser:
                         "collective-permute and in qcollect's pieces (writes OUT.md)")
     p.add_argument("--out", default="network",
                    help="output path without suffix: OUT.csv, OUT.md, OUT.png (default network)")
+    p.add_argument("--no-floors", action="store_true",
+                   help="on a shaped network: skip the unshaped run that gives the codec "
+                        "floor and efficiency columns")
     return p
 
 
@@ -86,6 +107,12 @@ def _parse(argv) -> argparse.Namespace:
     unknown = sorted(set(args.methods) - set(METHODS))
     if unknown or not args.methods:
         parser.error(f"--methods must name some of {', '.join(METHODS)}; unknown: {unknown}")
+    try:
+        args.pipeline = list(dict.fromkeys(int(p) for p in args.pipeline.split(",") if p.strip()))
+    except ValueError:
+        parser.error(f"--pipeline must be comma-separated positive integers, got {args.pipeline!r}")
+    if not args.pipeline or min(args.pipeline) < 1:
+        parser.error(f"--pipeline must be comma-separated positive integers, got {args.pipeline!r}")
     if args.repeats < 1:
         parser.error("--repeats must be a positive integer")
     if args.nproc < 2:
@@ -110,8 +137,17 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if not qcollect.launch.is_launched():
         bandwidth = args.bandwidth or "1gbit"
-        return subprocess.call(launch_command(argv + ["--bandwidth", bandwidth],
-                                              args.nproc, bandwidth))
+        rc = subprocess.call(launch_command(argv + ["--bandwidth", bandwidth],
+                                            args.nproc, bandwidth))
+        if rc or args.swap_probe or args.no_floors or bandwidth.lower() == "none":
+            return rc
+        out = pathlib.Path(args.out)
+        unshaped = out.with_name(out.name + "_unshaped")
+        rc = subprocess.call(launch_command(argv + ["--bandwidth", "none", "--out", str(unshaped)],
+                                            args.nproc, "none"))
+        if rc == 0:
+            add_floors(out, unshaped, parse_rate(bandwidth))
+        return rc
     qcollect.launch.initialize()
     from qcollect.bench import _network
 
@@ -123,10 +159,32 @@ def main(argv: list[str] | None = None) -> int:
             out.write_text(text + "\n")
             print(f"wrote {out}", flush=True)
         return 0
-    rows = _network.measure(args.sizes, args.methods, args.repeats)
+    rows = _network.measure(args.sizes, _network.with_pipelines(args.methods, args.pipeline),
+                            args.repeats)
     if rows is not None:  # rank 0
         write(rows, pathlib.Path(args.out), args.bandwidth)
     return 0
+
+
+def _read(path: pathlib.Path) -> list[dict]:
+    with open(path.with_suffix(".csv"), newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def add_floors(out: pathlib.Path, unshaped: pathlib.Path, rate_bits: int) -> None:
+    """Adds the wire floor, the unshaped time and the efficiency to ``out.csv``
+    and ``out.md`` (rows matched by size and method with ``unshaped.csv``)."""
+    from qcollect.bench import _network
+
+    reference = {(r["mib"], r["method"]): float(r["median_ms"]) for r in _read(unshaped)}
+    rows = _network.with_floors(_read(out), reference, rate_bits)
+    with open(out.with_suffix(".csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    out.with_suffix(".md").write_text(_network.table(rows) + "\n")
+    print(f"{_network.table(rows)}\nwrote {out.with_suffix('.csv')}, {out.with_suffix('.md')} "
+          f"(floors from {unshaped.with_suffix('.csv')})", flush=True)
 
 
 def write(rows: list[dict], out: pathlib.Path, bandwidth: str | None) -> None:

@@ -8,7 +8,12 @@ each compressor reports:
 * relative error ``||decode(encode(x)) - x|| / ||x||``;
 * median encode and decode time, next to the median time of one elementwise
   pass ``x * c`` over the same array measured in the same interleaved loop,
-  and their ratio ``t(x * c) / t(encode + decode)`` (1.0 = as fast as one pass).
+  and their ratio ``t(x * c) / t(encode + decode)`` (1.0 = as fast as one pass);
+* the error-feedback round trip ``x - decode(encode(x))`` compiled as one
+  program, as every training step computes it, in elementwise passes
+  ``t(round trip) / t(x * c)``: once decoding the payload (``decode(encode(x))``)
+  and once with `Compressor.round_trip` (the same values; 1-bit and QSGD
+  take them from the encoding pass instead of unpacking the codes).
 """
 
 from __future__ import annotations
@@ -82,7 +87,7 @@ def _collective_layout(make, n: int = 4):
 
         def encode(x, key=None):
             keys = jax.random.split(jax.random.key(0) if key is None else key, n)
-            return codec.encode_all(_Chunks(segment.laid_out([x]), segment), keys)
+            return codec.round_trip_all(_Chunks(segment.laid_out([x]), segment), keys)[0]
 
         def decode(payload):
             return segment.leaves(codec.decode_all(payload))[0]
@@ -147,10 +152,14 @@ def run(size: int, repeats: int, names: list[str]) -> list[dict]:
         encode, decode = jax.jit(c.encode), jax.jit(c.decode)
         payload = encode(x, key)
         err = float(jnp.linalg.norm(decode(payload).astype(jnp.float32) - x)) / norm
+        unfused = jax.jit(lambda x, k, c=c: x - c.decode(c.encode(x, k)))
+        fused = jax.jit(lambda x, k, c=c: x - c.round_trip(x, k)[1])
         t = interleaved_medians({
             "pass": (scale_pass, (x,)),
             "encode": (encode, (x, key)),
             "decode": (decode, (payload,)),
+            "unfused": (unfused, (x, key)),
+            "fused": (fused, (x, key)),
         }, repeats)
         row = {
             "compressor": name,
@@ -160,6 +169,8 @@ def run(size: int, repeats: int, names: list[str]) -> list[dict]:
             "decode_ms": 1e3 * t["decode"],
             "pass_ms": 1e3 * t["pass"],
             "passes_ratio": t["pass"] / (t["encode"] + t["decode"]),
+            "round_trip_passes": t["unfused"] / t["pass"],
+            "fused_round_trip_passes": t["fused"] / t["pass"],
         }
         rows.append(row)
         print(_format_row(row), flush=True)
@@ -167,13 +178,15 @@ def run(size: int, repeats: int, names: list[str]) -> list[dict]:
 
 
 HEADER = ("| compressor | wire bits/elem | rel. error | encode ms | decode ms "
-          "| x*c ms | t(x*c)/t(enc+dec) |\n|---|---:|---:|---:|---:|---:|---:|")
+          "| x*c ms | t(x*c)/t(enc+dec) | EF round trip, passes | fused, passes |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def _format_row(r: dict) -> str:
     return (f"| {r['compressor']} | {r['bits_per_element']:.3f} | {r['relative_error']:.4f} "
             f"| {r['encode_ms']:.1f} | {r['decode_ms']:.1f} | {r['pass_ms']:.1f} "
-            f"| {r['passes_ratio']:.2f} |")
+            f"| {r['passes_ratio']:.2f} | {r['round_trip_passes']:.2f} "
+            f"| {r['fused_round_trip_passes']:.2f} |")
 
 
 def main(argv: list[str] | None = None) -> int:
