@@ -249,6 +249,26 @@ def test_bad_config():
     for bad in (-1, 2.5, "4MiB"):
         with pytest.raises(ValueError, match="bucket_bytes"):
             _tx(qc.identity(), key=jax.random.key(0), bucket_bytes=bad)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="pipeline"):
+            _tx(qc.identity(), key=jax.random.key(0), pipeline=bad)
+
+
+def test_pipeline_pieces_keep_the_update_and_residuals():
+    """pipeline=3 cuts the collectives, not the update: the same parameters and
+    residuals as pipeline=1 after a few steps (deterministic QSGD in buckets of 4,
+    so that each device's chunk of the kernel has two buckets to cut)."""
+    def run(pipeline):
+        tx = optax.chain(_tx(qc.qsgd(bits=4, stochastic=False, bucket_size=4),
+                             key=jax.random.key(0),
+                             algorithm="pairwise", pipeline=pipeline), optax.sgd(0.05))
+        return _run(tx, 3)
+
+    (p1, s1, l1), (p3, s3, l3) = run(1), run(3)
+    np.testing.assert_allclose(l3, l1, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves((p1, s1[0].residual)), jax.tree.leaves((p3, s3[0].residual)),
+                    strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("bucket_bytes, rings", [(None, 1), (0, 2)])

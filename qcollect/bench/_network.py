@@ -23,7 +23,7 @@ def transport_only(compressor: qc.Compressor) -> qc.Compressor:
 
     Encoding fills a payload of the real one's shapes and dtypes (read with
     `jax.eval_shape`) with the chunk's first values, converted; decoding
-    broadcasts the sum of one value of each payload array over the output.
+    broadcasts the sum of the payload's words over the output.
     In `compressed_all_reduce` it runs the same collectives on the same bytes
     as ``compressor``, so its time is what the transfers alone take on the
     link: the transport floor.
@@ -41,10 +41,10 @@ def transport_only(compressor: qc.Compressor) -> qc.Compressor:
         return qc.Payload(arrays, template.shape, template.dtype, "transport/" + compressor.name)
 
     def decode(payload):
-        # One value of every array, so that none is left unsent as dead code.
-        first = sum(leaf.reshape(-1)[:1].astype(jnp.float32)
-                    for leaf in jax.tree.leaves(payload.arrays))
-        return jnp.broadcast_to(first, payload.shape).astype(payload.dtype)
+        # Every word is read (a sum), so that XLA leaves no piece of a
+        # transfer unsent as dead code.
+        total = sum(jnp.sum(leaf, dtype=jnp.float32) for leaf in jax.tree.leaves(payload.arrays))
+        return jnp.broadcast_to(total, payload.shape).astype(payload.dtype)
 
     return qc.Compressor("transport/" + compressor.name, encode, decode,
                          linear=compressor.linear, stochastic=False, block=compressor.block,
