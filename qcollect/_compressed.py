@@ -305,10 +305,11 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
         cut): each device's chunk of a segment is cut into ``pipeline`` runs
         of whole groups, and each run is reduced by its own chain of
         collectives, so that XLA may encode or decode one run while another
-        is on the wire. Values are those of ``pipeline=1`` up to the random
-        streams of stochastic compressors; wire bytes grow only by the
-        per-run statistics. Default 1: on the CPU backend no count helped
-        (`docs/collectives.md`, "Pipelining").
+        is on the wire. Values are those of ``pipeline=1`` up to rounding
+        order and the random streams of stochastic compressors; groups are
+        never cut, so the wire bytes grow at most by each run's last,
+        partly filled packed word. Default 1: on the CPU backend no count
+        helped (`docs/collectives.md`, "Pipelining").
       owner_residual: ``"pairwise"`` only: the previous step's ``owner_error``
         (same structure as ``x``), added to the owner's reduced chunk before
         re-encoding.
