@@ -44,7 +44,7 @@ from qcollect._ring import (
     ring_reduce_scatter,
 )
 from qcollect._threshold import threshold
-from qcollect._wire import WireOp, wire_bytes, wire_report
+from qcollect._wire import WireOp, wire_bytes, wire_bytes_by_axis, wire_report
 
 __all__ = [
     "ALGORITHMS",
@@ -88,6 +88,7 @@ __all__ = [
     "threshold",
     "unpack_bits",
     "wire_bytes",
+    "wire_bytes_by_axis",
     "wire_report",
 ]
 

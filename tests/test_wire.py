@@ -70,3 +70,79 @@ def test_all_gather_and_conditional_branches():
     assert smaller == 2 * (n - 1) * 3 * 4  # the ring on 10 values: chunks of 3
     with pytest.raises(ValueError, match="branches"):
         qc.wire_bytes(run.mapped, *run.shard(x), branches="mean")
+
+
+def _mesh2d(nodes=2, local=4):
+    return jax.make_mesh((nodes, local), ("node", "local"),
+                         devices=jax.devices()[:nodes * local])
+
+
+def _placed(mesh, length):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    rows = mesh.devices.size
+    x = jax.random.normal(jax.random.key(0), (rows, length))
+    return jax.device_put(x, NamedSharding(mesh, P(("node", "local"))))
+
+
+def _mapped(mesh, fn):
+    from jax.sharding import PartitionSpec as P
+
+    spec = P(("node", "local"))
+    return jax.jit(jax.shard_map(lambda v: fn(v[0])[None], mesh=mesh, in_specs=spec,
+                                 out_specs=spec))
+
+
+@pytest.mark.parametrize("nodes, local", [(2, 4), (4, 2)])
+def test_bytes_by_axis_are_the_analytic_bytes_of_each_axis(nodes, local):
+    """psum over each axis, over both, and the ring over one: the bandwidth-optimal
+    bytes of each, under the axes it runs over; together they are wire_bytes."""
+    mesh = _mesh2d(nodes, local)
+    length = 1000
+    x = _placed(mesh, length)
+    bytes_ = 4 * length
+    fn = _mapped(mesh, lambda v: lax.psum(v, "local") + lax.psum(v, "node")
+                 + lax.psum(v, ("node", "local")))
+    split = qc.wire_bytes_by_axis(fn, x)
+    assert split == pytest.approx({
+        "local": 2 * (local - 1) / local * bytes_, "node": 2 * (nodes - 1) / nodes * bytes_,
+        ("node", "local"): 2 * (nodes * local - 1) / (nodes * local) * bytes_}, abs=1)
+    assert sum(split.values()) == pytest.approx(qc.wire_bytes(fn, x), abs=2)
+    ring = _mapped(mesh, lambda v: qc.ring_all_reduce(v, "local"))
+    assert qc.wire_bytes_by_axis(ring, x) == {
+        "local": qc.ring_bytes_per_device(length, 4, local)}
+
+
+@pytest.mark.parametrize("compressor", [qc.onebit(), qc.qsgd(bits=4)], ids=lambda c: c.name)
+def test_compressed_all_reduce_across_nodes_counts_under_node(compressor):
+    """A compressed all-reduce over "node" of a 2 x 4 mesh sends what it sends on a
+    2-device mesh, all of it under "node"."""
+    mesh = _mesh2d()
+    x = _placed(mesh, 4096)
+    fn = _mapped(mesh, lambda v: qc.compressed_all_reduce(
+        v, "node", compressor, jax.random.key(0)).value)
+    alone = _wire(lambda v: qc.compressed_all_reduce(v, "d", compressor, jax.random.key(0)).value,
+                  2, jnp.zeros((2, 4096)))
+    assert qc.wire_bytes_by_axis(fn, x) == {"node": alone}
+
+
+def test_bytes_by_axis_on_one_axis_and_without_a_mesh():
+    n = 4
+    run = per_device(lambda v: qc.ring_all_reduce(v, "d"), n)
+    args = run.shard(jnp.zeros((n, 100)))
+    assert qc.wire_bytes_by_axis(run.mapped, *args) == {"d": qc.wire_bytes(run.mapped, *args)}
+    with pytest.raises(ValueError, match="mesh"):
+        qc.wire_bytes_by_axis(lambda v: v * 2, jnp.zeros(3))
+
+
+def test_iota_replica_groups_are_read():
+    from qcollect._wire import _device_groups
+
+    line = "all-reduce(%p), replica_groups=[4,2]<=[2,4]T(1,0), to_apply=%sum"
+    assert _device_groups(line) == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert _device_groups("all-gather(%p), replica_groups=[2,4]<=[8]") == (
+        (0, 1, 2, 3), (4, 5, 6, 7))
+    assert _device_groups("all-reduce(%p), replica_groups={{0,2},{1,3}}") == ((0, 2), (1, 3))
+    assert _device_groups("collective-permute(%p), source_target_pairs={{0,1},{1,0}}") == (
+        (0, 1), (1, 0))
