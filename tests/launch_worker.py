@@ -2,7 +2,8 @@
 
 Modes (first argument):
   ``check OUT_DIR``: ring, compressed and optax all-reduces on the global mesh
-    (every process's devices), checked against sums computed with numpy; each
+    (every process's devices), and hierarchical ones over ``("node", "local")``
+    with one process per node, checked against sums computed with numpy; each
     process writes its rows to ``OUT_DIR/rank<r>.npz``. Exits 1 on mismatch.
   ``crash OUT_DIR``: process 1 exits with status 3 right after joining while
     process 0 waits in a collective that can never finish.
@@ -21,6 +22,7 @@ import time
 import qcollect.launch
 
 LENGTH = 1001   # not a multiple of the device count
+NODE_AXES = ("node", "local")
 STEPS = 2
 QSGD_LEVELS = 7  # 4-bit QSGD: a sign bit and 3-bit levels 0..7
 
@@ -34,18 +36,19 @@ def inputs(num_devices: int, step: int = 0):
     return np.stack(rows).astype(np.float32)
 
 
-def global_array(mesh, full):
-    """A ``P("d")``-sharded array from the full host value (any process count)."""
+def global_array(mesh, full, spec=None):
+    """A ``spec``-sharded (default ``P("d")``) array from the full host value (any
+    process count)."""
     import jax
     import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     if jax.dtypes.issubdtype(full.dtype, jax.dtypes.prng_key):
-        data = global_array(mesh, jax.random.key_data(full))
+        data = global_array(mesh, jax.random.key_data(full), spec)
         return jax.random.wrap_key_data(data, impl=jax.random.key_impl(full))
     full = np.asarray(full)
-    return jax.make_array_from_callback(full.shape, NamedSharding(mesh, P("d")),
+    return jax.make_array_from_callback(full.shape, NamedSharding(mesh, spec or P("d")),
                                         lambda index: full[index])
 
 
@@ -89,6 +92,7 @@ def compute(mesh) -> dict:
         "qsgd4_pairwise": reduce_with(qc.qsgd(bits=4, stochastic=False), "pairwise"),
     }
     out = {name: jax.block_until_ready(fn(x)) for name, fn in results.items()}
+    out.update(compute_hierarchical(mesh, key))
     out.update(_in_small_pieces(lambda: {
         "ring_pieces": jax.block_until_ready(
             mapped(lambda b: qc.ring_all_reduce(b[0], "d")[None])(x)),
@@ -113,6 +117,41 @@ def compute(mesh) -> dict:
             updates, state = jax.block_until_ready(step(state, grads))
             out[f"{name}_step{t}"] = updates["w"]
     return out
+
+
+def node_mesh(mesh):
+    """``mesh``'s devices as a ``("node", "local")`` mesh with one process per node
+    (two nodes in the single-process comparison)."""
+    import jax
+
+    nodes = max(jax.process_count(), 2)
+    grid = mesh.devices.reshape(nodes, -1)
+    if jax.process_count() > 1:
+        assert all(len({d.process_index for d in row}) == 1 for row in grid), grid
+    return jax.sharding.Mesh(grid, NODE_AXES)
+
+
+def compute_hierarchical(mesh, key) -> dict:
+    """Hierarchical all-reduces over ``("node", "local")``: name -> ``(n, LENGTH)``."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    import qcollect as qc
+
+    grid = node_mesh(mesh)
+    x = global_array(grid, inputs(grid.size), P(NODE_AXES))
+
+    def reduce_with(compressor, algorithm):
+        def body(block):
+            out = qc.compressed_all_reduce(block[0], NODE_AXES, compressor, key,
+                                           algorithm=algorithm)
+            return out.value[None]
+        return jax.jit(jax.shard_map(body, mesh=grid, in_specs=P(NODE_AXES),
+                                     out_specs=P(NODE_AXES)))
+
+    return {"hier_identity": jax.block_until_ready(reduce_with(qc.identity(), "ring")(x)),
+            "hier_qsgd4": jax.block_until_ready(
+                reduce_with(qc.qsgd(bits=4, stochastic=False), "pairwise")(x))}
 
 
 def local_rows(array) -> dict:
@@ -142,7 +181,10 @@ def check(results: dict, n: int) -> list[str]:
     total = inputs(n).sum(0)
     expected = {"ring": (total, 0.0), "identity_ring": (total, 0.0),
                 "ring_pieces": (total, 0.0), "identity_pairwise_pieces": (total, 0.0),
-                "qsgd4_pairwise": (total, qsgd_bound(inputs(n)))}
+                "qsgd4_pairwise": (total, qsgd_bound(inputs(n))),
+                "hier_identity": (total, 0.0),
+                # Each node's sum is quantized once, by the device holding its share.
+                "hier_qsgd4": (total, qsgd_bound(inputs(n).reshape(2, -1, LENGTH).sum(1)))}
     for t in range(STEPS):
         g = inputs(n, step=t)
         expected[f"tx_identity_step{t}"] = (g.mean(0), 0.0)

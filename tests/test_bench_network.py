@@ -55,8 +55,9 @@ def test_compressed_methods_send_fewer_bytes_with_bounded_error(rows):
 
 
 def test_launch_command_runs_this_file_under_the_launcher():
-    cmd = network.launch_command(["--sizes", "1"], 4, "1gbit")
-    assert cmd[1:7] == ["-m", "qcollect.launch", "--nproc", "4", "--bandwidth", "1gbit"]
+    cmd = network.launch_command(["--sizes", "1"], 4, "1gbit", 2)
+    assert cmd[1:9] == ["-m", "qcollect.launch", "--nproc", "4", "--devices-per-process", "2",
+                        "--bandwidth", "1gbit"]
     assert cmd[-3:] == [str(pathlib.Path(network.__file__).resolve()), "--sizes", "1"]
     assert "--bandwidth" not in network.launch_command([], 2, "none")
 
@@ -69,6 +70,7 @@ def test_launch_command_runs_this_file_under_the_launcher():
     (["--nproc", "0"], "--nproc"),
     (["--pipeline", "0"], "--pipeline"),
     (["--pipeline", "two"], "--pipeline"),
+    (["--devices-per-process", "0"], "--devices-per-process"),
 ])
 def test_bad_arguments_exit_2_naming_the_argument(args, message):
     run = _bench(*args, timeout=60)
@@ -142,3 +144,29 @@ def test_transport_only_moves_the_compressors_bytes_without_its_codec():
         assert qc.wire_bytes(moved, x) == qc.wire_bytes(real, x) > 0
         ops = [op.op for op in qc.wire_report(moved, x)]
         assert ops == [op.op for op in qc.wire_report(real, x)]
+
+
+def test_nodes_of_several_devices_measure_the_hierarchical_all_reduce(tmp_path):
+    """Two processes of two devices: every compressed method also as METHOD/h, which
+    sends across nodes at most 1/(L x compression) of psum's bytes; the wire
+    floor counts a process's devices' bytes across nodes."""
+    from qcollect.bench import _network
+
+    out = tmp_path / "nodes"
+    run = _bench("--nproc", "2", "--devices-per-process", "2", "--bandwidth", "none",
+                 "--sizes", "0.0625", "--repeats", "1", "--methods", "psum,qsgd-4,onebit",
+                 "--out", str(out))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    with open(out.with_suffix(".csv")) as f:
+        got = {r["method"]: r for r in csv.DictReader(f)}
+    assert list(got) == ["psum", "qsgd-4", "qsgd-4/h", "onebit", "onebit/h"]
+    across = {m: int(r["across_nodes_bytes"]) for m, r in got.items()}
+    local, ratio = 2, {"qsgd-4": 7.5, "onebit": 15}
+    for m, r in ratio.items():
+        assert across[m + "/h"] <= across["psum"] / (local * r)
+        assert across[m + "/h"] < across[m] <= int(got[m]["wire_bytes"])
+        assert float(got[m + "/h"]["wire_vs_psum"]) == pytest.approx(
+            across["psum"] / across[m + "/h"])
+        assert 0 < float(got[m + "/h"]["relative_error"]) < 1
+    assert _network.link_bytes(got["onebit/h"]) == local * across["onebit/h"]
+    assert "across nodes / device" in out.with_suffix(".md").read_text()

@@ -88,7 +88,12 @@ def compressed_all_reduce(axis_name, *, compressor: CompressorSpec, key: jax.Arr
     disagree on whether to run the collectives.)
 
     Args:
-      axis_name: the data-parallel axis (``shard_map`` or ``pmap``).
+      axis_name: the data-parallel axis (``shard_map`` or ``pmap``), or a
+        pair ``(outer, inner)`` of mesh axes for multi-node meshes: a
+        hierarchical all-reduce, uncompressed inside a node and compressed
+        across nodes, whose error feedback keeps what the compression across
+        nodes loses (`qcollect.compressed_all_reduce`); the residuals are
+        then ``P((outer, inner))``.
       compressor: a qcollect `Compressor`, or ``f(path, leaf) -> Compressor |
         None`` to choose per leaf (None: uncompressed). Leaves whose
         compressors are equal (same settings) are fused.

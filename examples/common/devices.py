@@ -5,6 +5,8 @@ import os
 
 import numpy as np
 
+MESHES = (("data",), ("node", "local"))
+
 
 def simulate_cpu_devices(default: int = 8):
     """Asks XLA for ``QCOLLECT_DEVICES`` (default 8) host CPU devices.
@@ -37,3 +39,33 @@ def local_values(per_device) -> np.ndarray:
     """
     return np.concatenate([np.asarray(shard.data).reshape(-1)
                            for shard in per_device.addressable_shards])
+
+
+def data_mesh(axes=("data",), nodes: int = 0):
+    """The data-parallel mesh of the examples.
+
+    Args:
+      axes: ``("data",)``, one axis over every device, or ``("node",
+        "local")``, a grid of nodes by the devices of each: one node per
+        process under the launcher (the processes are joined by the network,
+        the devices of one process share its memory), else ``nodes``
+        simulated nodes (default 2) of one process's devices.
+      nodes: nodes of a one-process run (0: 2); ignored with several processes.
+
+    Returns:
+      A `jax.sharding.Mesh`; devices in process order, so a node's devices
+      are one process's.
+    """
+    import jax
+
+    axes = tuple(axes)
+    if axes not in MESHES:
+        raise ValueError(f"mesh must be one of {[','.join(m) for m in MESHES]}, got "
+                         f"{','.join(axes)!r}")
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    if len(axes) == 1:
+        return jax.sharding.Mesh(np.asarray(devices), axes)
+    count = jax.process_count() if jax.process_count() > 1 else (nodes or 2)
+    if len(devices) % count:
+        raise ValueError(f"nodes: {len(devices)} devices cannot form {count} equal nodes")
+    return jax.sharding.Mesh(np.asarray(devices).reshape(count, -1), axes)

@@ -11,13 +11,14 @@ import optax
 import qcollect as qc
 from common import report
 from common.compressors import pmean
+from common.devices import data_mesh
 from common.mnist import load_mnist
-from common.train import AXIS, DataParallel, make_optimizer, train, with_image_shape
+from common.train import DataParallel, make_optimizer, train, with_image_shape
 
 
 def baseline_wire_bytes(dp: DataParallel, cfg, data) -> int:
     """Wire bytes per step of the ``lax.pmean`` baseline (compiled, not run)."""
-    tx = optax.chain(pmean(AXIS), make_optimizer(cfg))
+    tx = optax.chain(pmean(dp.axis), make_optimizer(cfg))
     params = dp.replicate(dp.params)
     state = dp.init(tx, params)
     rows = cfg.batch_size * dp.num_devices
@@ -42,12 +43,13 @@ def run(cfg, build_model, image_shape, stem: str, title: str, data=None):
         data = load_mnist(cfg.data_dir or None)
     data = data.take(cfg.train_examples or None, cfg.test_examples or None)
     data = with_image_shape(data, image_shape)
-    dp = DataParallel(build_model(cfg))
+    dp = DataParallel(build_model(cfg), data_mesh(cfg.mesh, cfg.nodes))
     lead = jax.process_index() == 0
     if lead:
         params = sum(x.size for x in jax.tree.leaves(dp.params))
-        print(f"{title}: {params:,} parameters, {dp.num_devices} devices "
-              f"({jax.devices()[0].platform}), {len(data.x_train):,} training images "
+        shape = " x ".join(f"{size} {name}" for name, size in dp.mesh.shape.items())
+        print(f"{title}: {params:,} parameters, {dp.num_devices} devices ({shape}, "
+              f"{jax.devices()[0].platform}), {len(data.x_train):,} training images "
               f"({data.source}), global batch {cfg.batch_size * dp.num_devices}", flush=True)
     bar = progress_bar if cfg.progress and lead else None
     results = [train(dp, name, cfg, data, progress=bar) for name in cfg.compressor_names]

@@ -18,18 +18,32 @@ def ratio(result, baseline_bytes: int | None) -> float:
     return baseline_bytes / result.wire_bytes
 
 
+def across_nodes(result) -> int | None:
+    """Bytes per step and device that cross between nodes (collectives over
+    ``node`` or over ``node,local``); None on a one-axis mesh."""
+    split = result.wire_bytes_by_axis
+    if not any("node" in axes.split(",") for axes in split):
+        return None
+    return sum(count for axes, count in split.items() if "node" in axes.split(","))
+
+
 def table(results, baseline_bytes: int | None) -> str:
-    """A markdown table: accuracy, wire bytes, ratio to ``lax.pmean``, step time."""
+    """A markdown table: accuracy, wire bytes (and those across nodes on a
+    ``node,local`` mesh), ratio to ``lax.pmean``, step time."""
+    nodes = any(across_nodes(r) is not None for r in results)
     rows = ["| compressor | test accuracy | wire bytes / step / device | vs pmean "
-            "| bits / value | median step (ms) | run (s) |",
-            "|---|---|---|---|---|---|---|"]
+            "| bits / value |" + (" across nodes / step / device |" if nodes else "")
+            + " median step (ms) | run (s) |",
+            "|---|---|---|---|---|" + ("---|" if nodes else "") + "---|---|"]
     for r in results:
         x = ratio(r, baseline_bytes)
         wire = f"{r.wire_bytes:,}"
         if r.wire_bytes_max != r.wire_bytes:
             wire += f" (up to {r.wire_bytes_max:,} in other phases)"
+        cross = f" {across_nodes(r) or 0:,} |" if nodes else ""
         rows.append(f"| {r.name} | {100 * r.final_accuracy:.2f}% | {wire} | {x:.1f}x "
-                    f"| {32 / x:.2f} | {1e3 * r.step_seconds:.1f} | {r.total_seconds:.0f} |")
+                    f"| {32 / x:.2f} |{cross} {1e3 * r.step_seconds:.1f} "
+                    f"| {r.total_seconds:.0f} |")
     return "\n".join(rows)
 
 

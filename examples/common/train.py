@@ -1,4 +1,8 @@
-"""Data-parallel training of a Flax NNX model with `jax.shard_map` over a 1-D mesh.
+"""Data-parallel training of a Flax NNX model with `jax.shard_map`.
+
+The mesh is one axis ``"data"`` over every device, or ``("node", "local")``
+(nodes of devices): the gradients are then reduced hierarchically,
+uncompressed inside a node and compressed across nodes.
 
 The pattern (README, "Train"): parameters and optimizer moments are
 replicated, ``P()``; only the error-feedback residuals are per device
@@ -53,6 +57,10 @@ class RunResult:
       wire_bytes_max: the costliest phase (equal to ``wire_bytes`` unless
         phased: PowerSGD's uncompressed start; for GradiVeQ its QSGD sampling
         steps and its PCA steps, whichever sends more).
+      wire_bytes_by_axis: ``wire_bytes`` split by the mesh axes the
+        collectives run over (`qcollect.wire_bytes_by_axis`), keys joined by
+        commas: ``{"node": ..., "local": ...}`` for a hierarchical
+        all-reduce, ``{"node,local": ...}`` for a psum over both.
       step_seconds: median wall time of a step (compiles excluded).
       total_seconds: the whole run, compiles and evaluations included.
       compiles: step programs compiled (more than one with entropy plans).
@@ -67,6 +75,7 @@ class RunResult:
     step_seconds: float
     total_seconds: float
     compiles: int = 1
+    wire_bytes_by_axis: dict = dataclasses.field(default_factory=dict)
 
     @property
     def final_accuracy(self) -> float:
@@ -86,16 +95,21 @@ def cross_entropy(logits, labels):
 
 
 class DataParallel:
-    """One NNX model, a 1-D mesh over all devices, and jitted data-parallel steps.
+    """One NNX model, a mesh, and jitted data-parallel steps.
 
     Args:
       model: an ``nnx.Module`` mapping a batch of images to logits.
-      mesh: a 1-D mesh with axis ``"data"``; default all devices.
+      mesh: the data-parallel mesh (`common.devices.data_mesh`): one axis
+        ``"data"`` (default, all devices) or ``("node", "local")``; the
+        batch is split over all its axes and the gradients reduced over
+        them (``axis``).
     """
 
     def __init__(self, model: nnx.Module, mesh=None):
         self.mesh = mesh if mesh is not None else jax.make_mesh((jax.device_count(),), (AXIS,))
-        self.num_devices = self.mesh.shape[AXIS]
+        names = tuple(self.mesh.axis_names)
+        self.axis = names[0] if len(names) == 1 else names
+        self.num_devices = self.mesh.size
         self.graphdef, self.params = nnx.split(model)
 
     def loss(self, params, x, y):
@@ -107,9 +121,9 @@ class DataParallel:
 
     def shard_map(self, body, state_specs, out_specs):
         """``jit(shard_map(body))`` of ``(params, opt_state, x, y)``: params
-        replicated, the state by ``state_specs``, the batch split ``P("data")``."""
+        replicated, the state by ``state_specs``, the batch split over the mesh."""
         return jax.jit(jax.shard_map(body, mesh=self.mesh,
-                                     in_specs=(P(), state_specs, P(AXIS), P(AXIS)),
+                                     in_specs=(P(), state_specs, P(self.axis), P(self.axis)),
                                      out_specs=out_specs))
 
     def step(self, tx: optax.GradientTransformation, opt_state):
@@ -120,17 +134,17 @@ class DataParallel:
         collective is spent on either, so the step's wire bytes are the
         gradients' alone.
         """
-        specs = transforms.state_specs(opt_state, AXIS)
+        specs = transforms.state_specs(opt_state, self.axis)
 
         def body(params, opt_state, x, y):
-            loss, g = self.grads(lax.pcast(params, AXIS, to="varying"), x, y)
+            loss, g = self.grads(lax.pcast(params, self.axis, to="varying"), x, y)
             updates, opt_state = tx.update(g, opt_state, params)
             params = optax.apply_updates(params, updates)
             finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(v))
                                         for v in jax.tree.leaves(params)]))
             return params, opt_state, loss[None], finite
 
-        return self.shard_map(body, specs, (P(), specs, P(AXIS), P()))
+        return self.shard_map(body, specs, (P(), specs, P(self.axis), P()))
 
     def replicate(self, tree):
         """``tree`` replicated (``P()``) on the mesh, from this process's copy."""
@@ -145,11 +159,11 @@ class DataParallel:
 
     def init(self, tx: optax.GradientTransformation, params):
         """``tx``'s state placed on the mesh (residuals per device, the rest replicated)."""
-        return transforms.init_sharded(tx, params, self.mesh, AXIS)
+        return transforms.init_sharded(tx, params, self.mesh, self.axis)
 
     def batch(self, x: np.ndarray, y: np.ndarray):
         """A global batch (rows split over the devices) from this process's rows."""
-        sharding = NamedSharding(self.mesh, P(AXIS))
+        sharding = NamedSharding(self.mesh, P(self.axis))
         rows = len(x) // jax.process_count()
         lo = jax.process_index() * rows
         return tuple(jax.make_array_from_process_local_data(sharding, a[lo:lo + rows], a.shape)
@@ -205,10 +219,10 @@ def train(dp: DataParallel, name: str, cfg, data, *, progress=None) -> RunResult
     """
     start = time.perf_counter()
     key = jax.random.key(cfg.seed)
-    comm: Communication = communication(name, cfg, AXIS, key)
+    comm: Communication = communication(name, cfg, dp.axis, key)
     optimizer = make_optimizer(cfg)
     tx = optax.chain(comm.tx, optimizer)
-    planner = (entropy_plan.Planner(dp, comm.entropy, cfg, AXIS, key, optimizer)
+    planner = (entropy_plan.Planner(dp, comm.entropy, cfg, dp.axis, key, optimizer)
                if comm.entropy is not None else None)
     params = dp.replicate(dp.params)
     opt_state = dp.init(tx, params)
@@ -216,7 +230,7 @@ def train(dp: DataParallel, name: str, cfg, data, *, progress=None) -> RunResult
     total = run_length(cfg, len(data.x_train), dp.num_devices)
     every = cfg.eval_every or max(1, total // 20)
     global_batch = cfg.batch_size * dp.num_devices
-    ckpt = Checkpoints(cfg.checkpoint_dir, name, AXIS) if cfg.checkpoint_dir else None
+    ckpt = Checkpoints(cfg.checkpoint_dir, name, dp.axis) if cfg.checkpoint_dir else None
     save_every = cfg.checkpoint_every or max(1, len(data.x_train) // global_batch)
     first = 0
     if ckpt is not None and cfg.resume and ckpt.latest_step() is not None:
@@ -270,6 +284,11 @@ def train(dp: DataParallel, name: str, cfg, data, *, progress=None) -> RunResult
     most = qc.wire_bytes(step, *args)
     result.wire_bytes = qc.wire_bytes(step, *args, branches="min") if comm.phased else most
     result.wire_bytes_max = most
+    branches = "min" if comm.phased else "max"
+    result.wire_bytes_by_axis = {
+        ",".join(axes) if isinstance(axes, tuple) else axes: count
+        for axes, count in qc.wire_bytes_by_axis(step, *args, mesh=dp.mesh,
+                                                 branches=branches).items()}
     result.compiles = len(compiled)
     result.step_seconds = statistics.median(times) if times else float("nan")
     result.total_seconds = time.perf_counter() - start

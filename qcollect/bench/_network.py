@@ -16,6 +16,10 @@ from qcollect.bench.collectives import _pca_for, _structured
 MIB = 1 << 20
 #: Methods without a codec: their transport is themselves.
 UNCOMPRESSED = ("psum", "ring")
+#: The mesh axes of a run with several devices per process: one node per process.
+NODE_AXES = ("node", "local")
+#: Suffix of a method run hierarchically over `NODE_AXES`.
+HIERARCHICAL = "/h"
 
 
 def transport_only(compressor: qc.Compressor) -> qc.Compressor:
@@ -52,12 +56,16 @@ def transport_only(compressor: qc.Compressor) -> qc.Compressor:
 
 
 def _reducer(method: str, size: int, n: int, transport: bool = False):
-    """``v -> estimate of the sum over axis "d"`` for one method (``transport``:
+    """``v -> estimate of the sum over every device`` for one method: over axis
+    ``"d"``, or hierarchically over `NODE_AXES` for ``METHOD/h`` (``transport``:
     the same collectives without the codec, `transport_only`)."""
     if method == "psum":
         return lambda v: lax.psum(v, "d")
     if method == "ring":
         return lambda v: qc.ring_all_reduce(v, "d")
+    axes = "d"
+    if method.endswith(HIERARCHICAL):
+        method, axes = method[:-len(HIERARCHICAL)], NODE_AXES
     method, _, pieces = method.partition("/p")
     compressor, algorithm = {
         "cast-bf16": (lambda: qc.cast("bfloat16"), "ring"),
@@ -72,26 +80,50 @@ def _reducer(method: str, size: int, n: int, transport: bool = False):
         c = transport_only(c)
     key = jax.random.key(0)
     pipeline = int(pieces or 1)
-    return lambda v: qc.compressed_all_reduce(v, "d", c, key, algorithm=algorithm,
+    return lambda v: qc.compressed_all_reduce(v, axes, c, key, algorithm=algorithm,
                                               pipeline=pipeline).value
 
 
-def with_pipelines(methods: list[str], pipelines: list[int]) -> list[str]:
+def with_pipelines(methods: list[str], pipelines: list[int],
+                   hierarchical: bool = False) -> list[str]:
     """Every compressed method once per pipeline count: ``onebit`` for 1,
-    ``onebit/p4`` for 4 (uncompressed methods once)."""
+    ``onebit/p4`` for 4 (uncompressed methods once); with ``hierarchical``
+    also ``onebit/h`` over `NODE_AXES`."""
     out = []
     for m in methods:
         if m in UNCOMPRESSED:
             out.append(m)
         else:
             out += [m if p == 1 else f"{m}/p{p}" for p in pipelines]
+            out += [m + HIERARCHICAL] if hierarchical else []
     return out
 
 
 def _buffers(size: int, mesh) -> jax.Array:
-    """``(devices, size)`` float32, gradient-like, a different draw per process."""
+    """``(devices, size)`` float32, gradient-like, a different draw per process,
+    split over all of ``mesh``'s axes."""
     local = _structured(size, jax.local_device_count(), seed=1 + jax.process_index())
-    return jax.make_array_from_process_local_data(NamedSharding(mesh, P("d")), np.asarray(local))
+    spec = P(tuple(mesh.axis_names))
+    return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), np.asarray(local))
+
+
+def meshes():
+    """The one-axis mesh ``"d"`` over every device in process order, and, with
+    several devices per process, the same devices as a `NODE_AXES` grid with
+    one node per process (else None)."""
+    devices = np.asarray(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
+    flat = jax.sharding.Mesh(devices, ("d",))
+    if jax.local_device_count() == 1:
+        return flat, None
+    return flat, jax.sharding.Mesh(devices.reshape(jax.process_count(), -1), NODE_AXES)
+
+
+def across_nodes(fn, x, grid) -> int:
+    """Bytes per device per call that cross between nodes (collectives over any
+    group of devices in more than one node; `qcollect.wire_bytes_by_axis`)."""
+    split = qc.wire_bytes_by_axis(fn, x, mesh=grid)
+    return sum(count for axes, count in split.items()
+               if NODE_AXES[0] in (axes if isinstance(axes, tuple) else (axes,)))
 
 
 def _values(mib: float) -> int:
@@ -100,9 +132,11 @@ def _values(mib: float) -> int:
 
 
 def _mapped(fn, mesh):
-    """``jit(shard_map)`` of a per-device ``fn`` over rows of a ``P("d")`` array."""
+    """``jit(shard_map)`` of a per-device ``fn`` over rows of an array split
+    over all of ``mesh``'s axes."""
+    spec = P(tuple(mesh.axis_names))
     return jax.jit(jax.shard_map(lambda v: fn(v[0])[None], mesh=mesh,
-                                 in_specs=P("d"), out_specs=P("d")))
+                                 in_specs=spec, out_specs=spec))
 
 
 def _local_row(x: jax.Array) -> np.ndarray:
@@ -114,23 +148,30 @@ def measure(sizes_mib: list[float], methods: list[str], repeats: int) -> list[di
     n = jax.device_count()
     if n < 2:
         raise ValueError("the network benchmark needs at least 2 devices, got 1")
-    mesh = jax.make_mesh((n,), ("d",))
+    mesh, grid = meshes()
     rank0 = jax.process_index() == 0
     rows = []
     if rank0:
-        print(f"# {jax.process_count()} processes, {n} devices, median of {repeats} "
+        layout = "" if grid is None else f" ({jax.process_count()} node x " \
+            f"{jax.local_device_count()} local)"
+        print(f"# {jax.process_count()} processes, {n} devices{layout}, median of {repeats} "
               "interleaved runs", flush=True)
-        print(table_header(), flush=True)
+        print(table_header(nodes=grid is not None), flush=True)
     for mib in sizes_mib:
         size = _values(mib)
         x = _buffers(size, mesh)
-        calls = {m: (_mapped(_reducer(m, size, n), mesh), (x,))
-                 for m in ["psum"] + [m for m in methods if m != "psum"]}
+        xg = None if grid is None else _buffers(size, grid)
+
+        def call(m, transport=False, size=size, x=x, xg=xg):
+            on_grid = m.endswith(HIERARCHICAL)
+            return (_mapped(_reducer(m, size, n, transport), grid if on_grid else mesh),
+                    (xg if on_grid else x,))
+
+        calls = {m: call(m) for m in ["psum"] + [m for m in methods if m != "psum"]}
         exact = _local_row(calls["psum"][0](x))
         errors = {m: float(np.linalg.norm(_local_row(fn(*a)) - exact) / np.linalg.norm(exact))
                   for m, (fn, a) in calls.items()}
-        moves = {m: (_mapped(_reducer(m, size, n, transport=True), mesh), (x,))
-                 for m in methods if m not in UNCOMPRESSED}
+        moves = {m: call(m, transport=True) for m in methods if m not in UNCOMPRESSED}
         wire = {m: qc.wire_bytes(fn, *a) for m, (fn, a) in calls.items()}
         for m, (fn, a) in moves.items():
             if qc.wire_bytes(fn, *a) != wire[m]:
@@ -138,13 +179,17 @@ def measure(sizes_mib: list[float], methods: list[str], repeats: int) -> list[di
         # psum always, for the speedup; each method beside its transport.
         seconds = interleaved_medians(
             {**calls, **{f"{m} transport": call for m, call in moves.items()}}, repeats)
+        # With nodes, the bytes that compete for the link are those across nodes.
+        link = wire if grid is None else {m: across_nodes(*calls[m], grid) for m in calls}
         for m in methods:
             transport = seconds.get(f"{m} transport", seconds[m])
             row = {"processes": jax.process_count(), "devices": n, "mib": mib,
                    "values": size, "method": m, "median_ms": 1e3 * seconds[m],
                    "speedup_vs_psum": seconds["psum"] / seconds[m],
-                   "wire_bytes": wire[m], "wire_vs_psum": wire["psum"] / wire[m],
+                   "wire_bytes": wire[m], "wire_vs_psum": link["psum"] / link[m],
                    "transport_ms": 1e3 * transport, "relative_error": errors[m]}
+            if grid is not None:
+                row["across_nodes_bytes"] = link[m]
             rows.append(row)
             if rank0:
                 print(table_row(row), flush=True)
@@ -184,19 +229,28 @@ def swap_probe(sizes_mib: list[float], repeats: int) -> str | None:
     return "\n".join(lines) if jax.process_index() == 0 else None
 
 
+def link_bytes(r: dict) -> int:
+    """Bytes a process sends over its link per call: every device's bytes with
+    one device per process, else its devices' bytes across nodes."""
+    if r.get("across_nodes_bytes") in (None, ""):
+        return int(r["wire_bytes"])
+    per_process = int(r["devices"]) // int(r["processes"])
+    return per_process * int(r["across_nodes_bytes"])
+
+
 def with_floors(rows: list[dict], unshaped_ms: dict, rate_bits: int) -> list[dict]:
     """``rows`` (as read from the CSV) with the physical limits of each.
 
     ``unshaped_ms`` maps ``(mib, method)`` (the CSV's strings) to the median
     of the same program on an unshaped network. Adds ``wire_floor_ms``
-    (``8 * wire_bytes / rate_bits``), ``unshaped_ms``, ``efficiency``
+    (``8 * link_bytes / rate_bits``), ``unshaped_ms``, ``efficiency``
     (``max(wire floor, unshaped) / median``) and ``of_wire_ratio`` (the
     speedup over psum divided by the wire-byte ratio).
     """
     out = []
     for r in rows:
         median = float(r["median_ms"])
-        wire_floor = 1e3 * 8 * int(r["wire_bytes"]) / rate_bits
+        wire_floor = 1e3 * 8 * link_bytes(r) / rate_bits
         unshaped = unshaped_ms.get((r["mib"], r["method"]), float("nan"))
         out.append(dict(r, wire_floor_ms=wire_floor, unshaped_ms=unshaped,
                         efficiency=max(wire_floor, unshaped) / median,
@@ -211,6 +265,7 @@ _COLUMNS = [  # (header, alignment, format of the row's value)
     ("speedup vs psum", "---:", lambda r: f"{float(r['speedup_vs_psum']):.2f}x"),
     ("wire bytes / process", "---:", lambda r: f"{int(r['wire_bytes']):,}"),
     ("wire vs psum", "---:", lambda r: f"{float(r['wire_vs_psum']):.1f}x"),
+    ("across nodes / device", "---:", lambda r: f"{int(r['across_nodes_bytes']):,}"),
     ("of wire ratio", "---:", lambda r: f"{100 * float(r['of_wire_ratio']):.0f}%"),
     ("wire floor ms", "---:", lambda r: f"{float(r['wire_floor_ms']):.1f}"),
     ("transport ms", "---:", lambda r: f"{float(r['transport_ms']):.1f}"),
@@ -219,24 +274,31 @@ _COLUMNS = [  # (header, alignment, format of the row's value)
     ("rel. error of sum", "---:", lambda r: f"{float(r['relative_error']):.2e}"),
 ]
 _FLOORS = {"of wire ratio", "wire floor ms", "unshaped ms", "efficiency"}
+_NODES = {"across nodes / device"}
 
 
-def _columns(floors: bool):
-    return [c for c in _COLUMNS if floors or c[0] not in _FLOORS]
+def _columns(floors: bool, nodes: bool = False):
+    return [c for c in _COLUMNS if (floors or c[0] not in _FLOORS)
+            and (nodes or c[0] not in _NODES)]
 
 
-def table_header(floors: bool = False) -> str:
-    cols = _columns(floors)
+def _has_nodes(r: dict) -> bool:
+    return r.get("across_nodes_bytes") not in (None, "")
+
+
+def table_header(floors: bool = False, nodes: bool = False) -> str:
+    cols = _columns(floors, nodes)
     return ("| " + " | ".join(c[0] for c in cols) + " |\n|"
             + "|".join(c[1] for c in cols) + "|")
 
 
 def table_row(r: dict) -> str:
-    return "| " + " | ".join(c[2](r) for c in _columns("efficiency" in r)) + " |"
+    return "| " + " | ".join(c[2](r) for c in _columns("efficiency" in r, _has_nodes(r))) + " |"
 
 
 def table(rows: list[dict]) -> str:
-    return "\n".join([table_header("efficiency" in rows[0])] + [table_row(r) for r in rows])
+    return "\n".join([table_header("efficiency" in rows[0], _has_nodes(rows[0]))]
+                     + [table_row(r) for r in rows])
 
 
 def plot(rows: list[dict], path, bandwidth: str) -> bool:

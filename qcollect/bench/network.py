@@ -37,6 +37,16 @@ equally long. ``of wire ratio`` is the speedup over psum divided by the
 wire-byte ratio: the share of what the bytes saved promise that the method
 delivers (wire-bound regime). ``--no-floors`` skips the unshaped run.
 
+Multi-node: with ``--devices-per-process K`` each process is a node of K
+devices (uncompressed collectives inside it, the shaped link between
+nodes); every compressed method is measured both over all devices as one
+axis and as ``METHOD/h``, the hierarchical all-reduce over ``("node",
+"local")``, and a column gives the bytes each device sends across nodes
+(`qcollect.wire_bytes_by_axis`; for ``psum`` and the one-axis methods, all
+bytes of collectives whose groups span nodes). ``wire vs psum`` then
+compares bytes across nodes, and the wire floor is a process's bytes across
+nodes (K devices') over the link rate.
+
 Run it directly (``--bandwidth none`` for an unshaped loopback network, which
 needs no root), or under your own launcher command; it detects a launched
 process and then only measures::
@@ -69,6 +79,11 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m qcollect.bench network",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=4, help="processes (default 4)")
+    p.add_argument("--devices-per-process", type=int, default=1, metavar="K",
+                   help="simulated CPU devices per process (default 1); with more, each "
+                        "process is a node and every compressed method is measured also "
+                        "as METHOD/h: hierarchical over (node, local), uncompressed inside "
+                        "a process")
     p.add_argument("--bandwidth", default=None,
                    help="link rate per process (tc units) or 'none' for no shaping "
                         "(default 1gbit; shaping needs root, ip and tc)")
@@ -115,6 +130,9 @@ def _parse(argv) -> argparse.Namespace:
         parser.error(f"--pipeline must be comma-separated positive integers, got {args.pipeline!r}")
     if args.repeats < 1:
         parser.error("--repeats must be a positive integer")
+    if args.devices_per_process < 1:
+        parser.error(f"--devices-per-process must be a positive integer, "
+                     f"got {args.devices_per_process}")
     if args.nproc < 2:
         parser.error(f"--nproc must be at least 2 (processes that talk over the network), "
                      f"got {args.nproc}")
@@ -124,9 +142,11 @@ def _parse(argv) -> argparse.Namespace:
     return args
 
 
-def launch_command(argv: list[str], nproc: int, bandwidth: str) -> list[str]:
+def launch_command(argv: list[str], nproc: int, bandwidth: str,
+                   devices_per_process: int = 1) -> list[str]:
     """The launcher command line that runs this file with ``argv`` on ``nproc`` processes."""
-    cmd = [sys.executable, "-m", "qcollect.launch", "--nproc", str(nproc)]
+    cmd = [sys.executable, "-m", "qcollect.launch", "--nproc", str(nproc),
+           "--devices-per-process", str(devices_per_process)]
     if bandwidth.lower() != "none":
         cmd += ["--bandwidth", bandwidth]
     return cmd + [str(pathlib.Path(__file__).resolve()), *argv]
@@ -138,17 +158,19 @@ def main(argv: list[str] | None = None) -> int:
     if not qcollect.launch.is_launched():
         bandwidth = args.bandwidth or "1gbit"
         rc = subprocess.call(launch_command(argv + ["--bandwidth", bandwidth],
-                                            args.nproc, bandwidth))
+                                            args.nproc, bandwidth, args.devices_per_process))
         if rc or args.swap_probe or args.no_floors or bandwidth.lower() == "none":
             return rc
         out = pathlib.Path(args.out)
         unshaped = out.with_name(out.name + "_unshaped")
         rc = subprocess.call(launch_command(argv + ["--bandwidth", "none", "--out", str(unshaped)],
-                                            args.nproc, "none"))
+                                            args.nproc, "none", args.devices_per_process))
         if rc == 0:
             add_floors(out, unshaped, parse_rate(bandwidth))
         return rc
     qcollect.launch.initialize()
+    import jax
+
     from qcollect.bench import _network
 
     if args.swap_probe:
@@ -159,8 +181,9 @@ def main(argv: list[str] | None = None) -> int:
             out.write_text(text + "\n")
             print(f"wrote {out}", flush=True)
         return 0
-    rows = _network.measure(args.sizes, _network.with_pipelines(args.methods, args.pipeline),
-                            args.repeats)
+    methods = _network.with_pipelines(args.methods, args.pipeline,
+                                      hierarchical=jax.local_device_count() > 1)
+    rows = _network.measure(args.sizes, methods, args.repeats)
     if rows is not None:  # rank 0
         write(rows, pathlib.Path(args.out), args.bandwidth)
     return 0

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 import qcollect as qc
-from qcollect._compressed import _Chunks, _Codec
+from qcollect._algorithms import Chunks, Codec
 from qcollect._layout import plan_segments
 from qcollect.bench._timing import interleaved_medians
 
@@ -83,11 +83,11 @@ def _collective_layout(make, n: int = 4):
         c = make(x)
         (segment,) = plan_segments([x], c.grouping, c.block, n, bucket_bytes=None)
         valid = segment.valid() if c.masks_padding else None
-        codec = _Codec(c, None if valid is None else jnp.asarray(valid))
+        codec = Codec(c, None if valid is None else jnp.asarray(valid))
 
         def encode(x, key=None):
             keys = jax.random.split(jax.random.key(0) if key is None else key, n)
-            return codec.round_trip_all(_Chunks(segment.laid_out([x]), segment), keys)[0]
+            return codec.round_trip_all(Chunks(segment.laid_out([x]), segment), keys)[0]
 
         def decode(payload):
             return segment.leaves(codec.decode_all(payload))[0]
