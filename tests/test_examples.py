@@ -14,7 +14,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
-from common import compressors, mnist  # noqa: E402
+from common import compressors, mnist, report  # noqa: E402
 from common.config import COMPRESSOR_NAMES, TrainConfig, parse_config  # noqa: E402
 
 
@@ -155,6 +155,26 @@ def test_mlp_example_trains_every_compressor(tmp_path, capsys):
     record = json.loads((tmp_path / "mnist_mlp.json").read_text())
     assert [r["name"] for r in record["runs"]] == ALL_BUT_ENTROPY
     assert (tmp_path / "mnist_mlp.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_mlp_example_on_nodes_compresses_only_across_nodes(tmp_path, capsys):
+    """``--mesh node,local``: 2 simulated nodes of 4 devices, hierarchical all-reduce;
+    the bytes across nodes shrink by the devices per node times the compression."""
+    names = ["none", "onebit", "qsgd-4", "powersgd"]
+    results = _main("mnist_mlp")(_tiny_args(tmp_path, names, [
+        "--width", "64", "--mesh", "node,local", "--powersgd-start", "1"]))
+    by_name = {r.name: r for r in results}
+    for r in results:
+        assert len(r.losses) == 4 and np.isfinite(r.losses).all(), r.name
+    base = by_name["none"].wire_bytes_by_axis["node,local"]
+    assert base == by_name["none"].wire_bytes
+    for name, ratio in (("onebit", 14), ("qsgd-4", 7)):
+        split = by_name[name].wire_bytes_by_axis   # small biases: psum over both axes
+        assert {"node", "local"} <= set(split), name
+        assert sum(split.values()) == by_name[name].wire_bytes
+        assert report.across_nodes(by_name[name]) < base / (4 * ratio), name
+    out = capsys.readouterr().out
+    assert "(2 node x 4 local, cpu)" in out and "across nodes" in out
 
 
 def test_entropy_overflow_is_replanned(tmp_path, monkeypatch):
