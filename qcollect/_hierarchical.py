@@ -7,8 +7,9 @@ multi-node mode, on the layout of `qcollect._layout`:
 
 1. A segment is cut into N chunks of whole compressor groups, chunk
    ``l M + m`` (row ``l``, column ``m`` of an ``(L, M)`` grid). Inside the
-   node, an uncompressed ``lax.psum_scatter`` over ``inner`` leaves local
-   device ``l`` with its node's sum of grid row ``l``: M chunks.
+   node, an uncompressed reduce-scatter over ``inner`` (``lax.psum_scatter``,
+   or the ``ppermute`` ring where that is faster, see `_ring_inside_nodes`)
+   leaves local device ``l`` with its node's sum of grid row ``l``: M chunks.
 2. Across nodes, the local devices ``l`` of all M nodes run the 1-D
    compressed all-reduce (`qcollect._algorithms.reduce_segment`, any
    algorithm) over ``outer`` on those M chunks.
@@ -31,13 +32,31 @@ owner's re-encoding error, at the one chunk this device owns, in sum units.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
 from qcollect._algorithms import Chunks, Codec, Stacked, reduce_segment
-from qcollect._ring import all_gather_invariant, as_varying
+from qcollect._ring import all_gather_invariant, as_varying, ring_reduce_scatter
 
 __all__ = ["reduce_hierarchical"]
+
+
+def _ring_inside_nodes() -> bool:
+    """Whether the reduce-scatter inside a node is a ``ppermute`` ring: across
+    processes on the CPU backend, where Gloo carries every collective (also
+    those inside a process) and runs XLA's reduce-scatter of 4 devices' 64 MiB
+    in 785 ms, the ring of the same bytes in 275 ms (``python -m
+    qcollect.bench network --nproc 2 --devices-per-process 4 --node-probe``,
+    docs/multiprocess.md); elsewhere the backend's own ``psum_scatter``."""
+    return jax.process_count() > 1 and jax.default_backend() == "cpu"
+
+
+def _reduce_scatter(grid, inner):
+    """Row ``axis_index(inner)`` of ``grid`` summed over ``inner``."""
+    if _ring_inside_nodes():
+        return ring_reduce_scatter(grid, inner)[0]
+    return lax.psum_scatter(grid, inner, scatter_dimension=0, tiled=False)
 
 
 def reduce_hierarchical(chunks: Chunks, axes, compressor, valid, key, algorithm, residual):
@@ -59,7 +78,7 @@ def reduce_hierarchical(chunks: Chunks, axes, compressor, valid, key, algorithm,
         return lax.dynamic_update_slice_in_dim(zeros, row.astype(dtype), me * nodes, axis=0)
 
     stacked = as_varying(chunks.stacked(), inner)
-    share = lax.psum_scatter(grid(stacked), inner, scatter_dimension=0, tiled=False)
+    share = _reduce_scatter(grid(stacked), inner)
     codec = Codec(compressor, None if valid is None else mine(jnp.asarray(valid)))
     owner_residual = None if residual is None else Stacked(mine(residual.stacked()),
                                                            chunks.columns)

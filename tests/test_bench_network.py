@@ -90,6 +90,18 @@ def test_swap_probe_times_one_swap_and_its_pieces(tmp_path):
     assert cells[4] == "1 / 8"
 
 
+def test_node_probe_times_the_collectives_inside_a_node(tmp_path):
+    out = tmp_path / "node"
+    run = _bench("--nproc", "2", "--devices-per-process", "2", "--bandwidth", "none",
+                 "--node-probe", "--sizes", "0.25", "--repeats", "1", "--out", str(out))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    header, rule, row = out.with_suffix(".md").read_text().splitlines()
+    assert "psum_scatter ms" in header and "ring reduce-scatter ms" in header
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[0] == "0.25" and len(cells) == 6 and all(float(c) > 0 for c in cells[1:])
+    assert _bench("--node-probe", timeout=60).returncode == 2
+
+
 def test_floors_bound_every_row_and_rewrite_the_table(rows, tmp_path):
     """The two floors and the efficiency, from a shaped run's CSV and an unshaped one's."""
     shaped, unshaped = tmp_path / "shaped", tmp_path / "shaped_unshaped"
@@ -168,5 +180,8 @@ def test_nodes_of_several_devices_measure_the_hierarchical_all_reduce(tmp_path):
         assert float(got[m + "/h"]["wire_vs_psum"]) == pytest.approx(
             across["psum"] / across[m + "/h"])
         assert 0 < float(got[m + "/h"]["relative_error"]) < 1
+    # Each device sends its share to the other node: a process's link carries both.
     assert _network.link_bytes(got["onebit/h"]) == local * across["onebit/h"]
+    # psum over all four devices in process order: Gloo's ring crosses once.
+    assert _network.link_bytes(got["psum"]) == across["psum"]
     assert "across nodes / device" in out.with_suffix(".md").read_text()

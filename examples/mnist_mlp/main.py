@@ -4,6 +4,7 @@
     python examples/mnist_mlp/main.py --compressors all --epochs 3
     python examples/mnist_mlp/main.py --checkpoint-dir ckpt  # orbax, once per epoch
     python examples/mnist_mlp/main.py --checkpoint-dir ckpt --resume true  # continue
+    python examples/mnist_mlp/main.py --mesh node,local     # 2 nodes: hierarchical
     python examples/mnist_mlp/main.py --help
 
 On a CPU machine the devices are simulated (8 by default; set

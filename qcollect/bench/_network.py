@@ -118,6 +118,32 @@ def meshes():
     return flat, jax.sharding.Mesh(devices.reshape(jax.process_count(), -1), NODE_AXES)
 
 
+def process_link_bytes(fn, x, mesh) -> int:
+    """Bytes this process sends to other processes per call, on its link.
+
+    A collective-permute sends its operand once per source-target pair from
+    one of this process's devices to another process's. The other
+    collectives are counted as Gloo runs them, as a ring over each group's
+    devices in order: every ring step from this process to another carries
+    one device's bytes (so a psum over all devices, in process order, sends
+    one device's ``2 (N - 1) / N`` of the buffer across each boundary, not
+    every device's).
+    """
+    owner = [d.process_index for d in mesh.devices.flat]
+    me = jax.process_index()
+    total = 0.0
+    for op in qc.wire_report(fn, x):
+        if op.op == "collective-permute":
+            edges = [pair for pair in op.devices if pair[0] != pair[1]]
+        else:
+            groups = op.devices or (tuple(range(len(owner))),)
+            edges = [(g[i], g[(i + 1) % len(g)]) for g in groups if len(g) > 1
+                     for i in range(len(g))]
+        crossing = sum(owner[s] == me and owner[t] != me for s, t in edges)
+        total += op.bytes_per_call * op.multiplicity * crossing
+    return int(round(total))
+
+
 def across_nodes(fn, x, grid) -> int:
     """Bytes per device per call that cross between nodes (collectives over any
     group of devices in more than one node; `qcollect.wire_bytes_by_axis`)."""
@@ -190,6 +216,7 @@ def measure(sizes_mib: list[float], methods: list[str], repeats: int) -> list[di
                    "transport_ms": 1e3 * transport, "relative_error": errors[m]}
             if grid is not None:
                 row["across_nodes_bytes"] = link[m]
+                row["link_bytes"] = process_link_bytes(*calls[m], grid)
             rows.append(row)
             if rank0:
                 print(table_row(row), flush=True)
@@ -229,13 +256,46 @@ def swap_probe(sizes_mib: list[float], repeats: int) -> str | None:
     return "\n".join(lines) if jax.process_index() == 0 else None
 
 
+def node_probe(sizes_mib: list[float], repeats: int) -> str | None:
+    """Times the collectives inside a node (over ``"local"`` of the `NODE_AXES`
+    grid, one node per process) that a hierarchical all-reduce can use.
+
+    XLA's reduce-scatter (``lax.psum_scatter``) against qcollect's
+    ``ppermute`` ring (`qcollect.ring_reduce_scatter`) of the same bytes,
+    with ``lax.psum`` and the all-gather (``lax.all_gather``) over
+    ``"local"`` and ``lax.psum`` over ``"node"`` for scale. Returns the
+    markdown table on process 0, None elsewhere.
+    """
+    from qcollect._ring import all_gather_invariant
+
+    _, grid = meshes()
+    if grid is None:
+        raise ValueError("the node probe needs several devices per process")
+    local = jax.local_device_count()
+    lines = ["| MiB / device | psum_scatter ms | ring reduce-scatter ms | psum ms "
+             "| all_gather ms | psum over node ms |", "|---:|---:|---:|---:|---:|---:|"]
+    for mib in sizes_mib:
+        size = _values(mib) // local * local
+        x = _buffers(size, grid)
+        fns = {"psum_scatter": lambda v: jnp.tile(lax.psum_scatter(
+                   v.reshape(local, -1), "local", scatter_dimension=0, tiled=False), local),
+               "ring": lambda v: jnp.tile(qc.ring_reduce_scatter(v, "local"), local),
+               "psum": lambda v: lax.psum(v, "local"),
+               "all_gather": lambda v, n=size // local: all_gather_invariant(v[:n], "local"),
+               "node": lambda v: lax.psum(v, "node")}
+        t = interleaved_medians({k: (_mapped(f, grid), (x,)) for k, f in fns.items()}, repeats)
+        lines.append(f"| {mib:g} | " + " | ".join(f"{1e3 * t[k]:.1f}" for k in fns) + " |")
+        if jax.process_index() == 0:
+            print(lines[-1] if len(lines) > 3 else "\n".join(lines), flush=True)
+    return "\n".join(lines) if jax.process_index() == 0 else None
+
+
 def link_bytes(r: dict) -> int:
-    """Bytes a process sends over its link per call: every device's bytes with
-    one device per process, else its devices' bytes across nodes."""
-    if r.get("across_nodes_bytes") in (None, ""):
+    """Bytes a process sends over its link per call: its device's bytes with one
+    device per process, else `process_link_bytes`."""
+    if r.get("link_bytes") in (None, ""):
         return int(r["wire_bytes"])
-    per_process = int(r["devices"]) // int(r["processes"])
-    return per_process * int(r["across_nodes_bytes"])
+    return int(r["link_bytes"])
 
 
 def with_floors(rows: list[dict], unshaped_ms: dict, rate_bits: int) -> list[dict]:
@@ -266,6 +326,7 @@ _COLUMNS = [  # (header, alignment, format of the row's value)
     ("wire bytes / process", "---:", lambda r: f"{int(r['wire_bytes']):,}"),
     ("wire vs psum", "---:", lambda r: f"{float(r['wire_vs_psum']):.1f}x"),
     ("across nodes / device", "---:", lambda r: f"{int(r['across_nodes_bytes']):,}"),
+    ("link bytes / process", "---:", lambda r: f"{int(r['link_bytes']):,}"),
     ("of wire ratio", "---:", lambda r: f"{100 * float(r['of_wire_ratio']):.0f}%"),
     ("wire floor ms", "---:", lambda r: f"{float(r['wire_floor_ms']):.1f}"),
     ("transport ms", "---:", lambda r: f"{float(r['transport_ms']):.1f}"),
@@ -274,7 +335,7 @@ _COLUMNS = [  # (header, alignment, format of the row's value)
     ("rel. error of sum", "---:", lambda r: f"{float(r['relative_error']):.2e}"),
 ]
 _FLOORS = {"of wire ratio", "wire floor ms", "unshaped ms", "efficiency"}
-_NODES = {"across nodes / device"}
+_NODES = {"across nodes / device", "link bytes / process"}
 
 
 def _columns(floors: bool, nodes: bool = False):

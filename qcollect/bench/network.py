@@ -44,8 +44,10 @@ axis and as ``METHOD/h``, the hierarchical all-reduce over ``("node",
 "local")``, and a column gives the bytes each device sends across nodes
 (`qcollect.wire_bytes_by_axis`; for ``psum`` and the one-axis methods, all
 bytes of collectives whose groups span nodes). ``wire vs psum`` then
-compares bytes across nodes, and the wire floor is a process's bytes across
-nodes (K devices') over the link rate.
+compares bytes across nodes. The wire floor is a process's bytes on its
+link over the link rate (``link bytes``: every collective-permute pair
+leaving the process, and for the other collectives the steps of Gloo's ring
+that leave it, `qcollect.bench._network.process_link_bytes`).
 
 Run it directly (``--bandwidth none`` for an unshaped loopback network, which
 needs no root), or under your own launcher command; it detects a launched
@@ -53,6 +55,10 @@ process and then only measures::
 
     python -m qcollect.bench network --out network
     python -m qcollect.launch --nproc 2 qcollect/bench/network.py --sizes 1,4
+
+``--node-probe`` (with ``--devices-per-process`` > 1) times, instead, the
+collectives inside a node that the hierarchical all-reduce can use
+(`qcollect.bench._network.node_probe`).
 
 ``--swap-probe`` times, instead, a swap of the buffer between devices r and
 r + N/2 in one collective-permute and in the pieces `qcollect._ring.permute`
@@ -100,6 +106,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--swap-probe", action="store_true",
                    help="instead: time a swap between device r and r + N/2 in one "
                         "collective-permute and in qcollect's pieces (writes OUT.md)")
+    p.add_argument("--node-probe", action="store_true",
+                   help="instead: time the collectives inside a node (reduce-scatter as "
+                        "XLA's psum_scatter and as a ppermute ring, psum, all-gather) with "
+                        "--devices-per-process > 1 (writes OUT.md)")
     p.add_argument("--out", default="network",
                    help="output path without suffix: OUT.csv, OUT.md, OUT.png (default network)")
     p.add_argument("--no-floors", action="store_true",
@@ -136,6 +146,8 @@ def _parse(argv) -> argparse.Namespace:
     if args.nproc < 2:
         parser.error(f"--nproc must be at least 2 (processes that talk over the network), "
                      f"got {args.nproc}")
+    if args.node_probe and args.devices_per_process < 2:
+        parser.error("--node-probe needs --devices-per-process of at least 2")
     if args.swap_probe and args.nproc % 2:
         parser.error(f"--swap-probe pairs device r with r + N/2: --nproc must be even, "
                      f"got {args.nproc}")
@@ -159,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         bandwidth = args.bandwidth or "1gbit"
         rc = subprocess.call(launch_command(argv + ["--bandwidth", bandwidth],
                                             args.nproc, bandwidth, args.devices_per_process))
-        if rc or args.swap_probe or args.no_floors or bandwidth.lower() == "none":
+        if (rc or args.swap_probe or args.node_probe or args.no_floors
+                or bandwidth.lower() == "none"):
             return rc
         out = pathlib.Path(args.out)
         unshaped = out.with_name(out.name + "_unshaped")
@@ -173,8 +186,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from qcollect.bench import _network
 
-    if args.swap_probe:
-        text = _network.swap_probe(args.sizes, args.repeats)
+    if args.swap_probe or args.node_probe:
+        probe = _network.swap_probe if args.swap_probe else _network.node_probe
+        text = probe(args.sizes, args.repeats)
         if text is not None:
             out = pathlib.Path(args.out).with_suffix(".md")
             out.parent.mkdir(parents=True, exist_ok=True)
