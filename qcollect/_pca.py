@@ -235,7 +235,11 @@ def pca(basis, mean=None, *, num_workers: int) -> Compressor:
       basis: ``U_d``, ``(K, d)`` with ``1 <= d <= K``, orthonormal columns
         (zero columns are allowed: they send zeros).
       mean: ``mu``, ``(K,)``, or None for no whitening (no weight is sent).
-      num_workers: ``N >= 1``, the number of payloads that are summed.
+      num_workers: ``N >= 1``, the number of payloads that are summed: the
+        devices of the axis, or for a hierarchical ``(outer, inner)``
+        `compressed_all_reduce` the nodes along ``outer`` (each node's sum
+        is encoded once), so that the ``N`` subtracted ``mu / N`` make
+        ``mu``.
 
     Returns:
       A `Compressor` with ``linear=True`` and ``stochastic=False``. Its

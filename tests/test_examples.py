@@ -160,9 +160,11 @@ def test_mlp_example_trains_every_compressor(tmp_path, capsys):
 def test_mlp_example_on_nodes_compresses_only_across_nodes(tmp_path, capsys):
     """``--mesh node,local``: 2 simulated nodes of 4 devices, hierarchical all-reduce;
     the bytes across nodes shrink by the devices per node times the compression."""
-    names = ["none", "onebit", "qsgd-4", "powersgd"]
+    names = ["none", "onebit", "qsgd-4", "powersgd", "gradiveq"]
     results = _main("mnist_mlp")(_tiny_args(tmp_path, names, [
-        "--width", "64", "--mesh", "node,local", "--powersgd-start", "1"]))
+        "--width", "64", "--mesh", "node,local", "--powersgd-start", "1",
+        "--gradiveq-warmup", "1", "--gradiveq-sample-steps", "1",
+        "--gradiveq-compressed-steps", "2", "--gradiveq-rank", "4"]))
     by_name = {r.name: r for r in results}
     for r in results:
         assert len(r.losses) == 4 and np.isfinite(r.losses).all(), r.name

@@ -22,6 +22,7 @@ from transforms._sharding import (
     check_local_gradients,
     device_block,
     keep_if_finite,
+    mesh_axes,
 )
 
 #: Default compressor of the warm-up and sampling steps (section 3: QSGD).
@@ -110,7 +111,9 @@ def _aggregate_pca(xs, bases, means, axis_name, key, stop_loss=None):
     whose local compression loss (eq. 7) over ``||x||^2`` exceeds
     ``stop_loss`` (0 without it).
     """
-    n = int(lax.axis_size(axis_name))
+    # The payloads summed: one per device, or one per node when hierarchical.
+    axes = mesh_axes(axis_name)
+    n = int(lax.axis_size(axes[0] if len(axes) == 2 else axis_name))
     sums, contributed = [], []
     for j, (x, u, mu) in enumerate(zip(xs, bases, means, strict=True)):
         result = qc.compressed_all_reduce(x, axis_name, qc.pca(u, mu, num_workers=n),
