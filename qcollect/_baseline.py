@@ -63,6 +63,11 @@ def cast(dtype) -> Compressor:
     def encode(x, key=None):
         x = jnp.asarray(x)
         check_floating_input(x)
+        if jnp.finfo(wire).max < jnp.finfo(x.dtype).max:
+            # Saturate finite values beyond the wire's range (float16 tops at
+            # 65504) rather than send inf; NaN and Inf pass as they are.
+            top = float(jnp.finfo(wire).max)
+            x = jnp.where(jnp.isfinite(x), jnp.clip(x, -top, top), x)
         return Payload({"x": x.astype(wire)}, tuple(x.shape), x.dtype, name)
 
     def decode(payload):

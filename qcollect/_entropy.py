@@ -210,11 +210,15 @@ def _extremes(flat, real=None):
     """``w_min, w_max`` of the real values (the first ``real``; 0, 0 if none)."""
     if flat.shape[0] == 0:
         return jnp.float32(0.0), jnp.float32(0.0)
+    # XLA:CPU's vectorised min/max reductions can drop a NaN; a sum of
+    # v - v (0, or NaN for NaN and Inf) always carries it into the range.
     if real is None:
-        return jnp.min(flat), jnp.max(flat)
+        poison = jnp.sum(flat - flat)
+        return jnp.min(flat) + poison, jnp.max(flat) + poison
     inside = jnp.arange(flat.shape[0]) < real
-    w_min = jnp.min(jnp.where(inside, flat, jnp.inf))
-    w_max = jnp.max(jnp.where(inside, flat, -jnp.inf))
+    poison = jnp.sum(jnp.where(inside, flat - flat, 0.0))
+    w_min = jnp.min(jnp.where(inside, flat, jnp.inf)) + poison
+    w_max = jnp.max(jnp.where(inside, flat, -jnp.inf)) + poison
     none = real <= 0
     return jnp.where(none, 0.0, w_min), jnp.where(none, 0.0, w_max)
 
@@ -222,9 +226,11 @@ def _extremes(flat, real=None):
 def _quantize(values, w_min, w_max, bits):
     """Algorithm 1, QUANTIZE (with ``w - w_min``): uint32 bin indices."""
     levels = jnp.left_shift(jnp.uint32(1), jnp.asarray(bits, jnp.uint32))
-    span = w_max - w_min
-    scale = jnp.where(span > 0, levels.astype(jnp.float32) / span, 0.0)
-    t = (values - w_min) * scale
+    # Halves: w_max - w_min can overflow float32 while its half cannot; the
+    # halving is exact, so t is the same as from the full span.
+    half = 0.5 * w_max - 0.5 * w_min
+    scale = jnp.where(half > 0, levels.astype(jnp.float32) / half, 0.0)
+    t = (0.5 * values - 0.5 * w_min) * scale
     t = jnp.where(t > 0, t, 0.0)  # also maps NaN to bin 0; the range carries the NaN
     return jnp.minimum(jnp.floor(t).astype(jnp.uint32), levels - 1)
 
@@ -352,6 +358,11 @@ class _Codec:
             q = hf.read_fixed(payload["stream"], n_bits, n)
         w_min, w_max = payload["range"][0], payload["range"][1]
         step = jnp.ldexp(jnp.float32(1.0), -n_bits.astype(jnp.int32))
-        values = w_min + (w_max - w_min) * ((q.astype(jnp.float32) + 0.5) * step)
+        # w_min + span * f, with the span taken as twice its half: finite
+        # whenever the range is (added one half at a time where 2 half * f
+        # alone would overflow).
+        part = (0.5 * w_max - 0.5 * w_min) * ((q.astype(jnp.float32) + 0.5) * step)
+        whole = w_min + (part + part)
+        values = jnp.where(jnp.isfinite(whole) | ~jnp.isfinite(part), whole, (w_min + part) + part)
         return values.reshape(payload.shape).astype(payload.dtype)
 

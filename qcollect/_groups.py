@@ -106,8 +106,21 @@ def with_valid(groups: Groups, valid) -> Groups:
     return groups._replace(counts=valid)
 
 
-def group_sums(view: jax.Array, groups: Groups) -> jax.Array:
-    """``(num_groups,)`` float32 sums of the view within each group.
+def overflow_safe_scale(length: int) -> float:
+    """A power of two ``c`` with ``length * c <= 1/2``.
+
+    Summing up to ``length`` values each times ``c`` cannot overflow float32
+    whatever their size (the sum stays within half the float32 maximum), and
+    scaling by ``c`` and back by ``1 / c`` is exact (barring underflow below
+    ``2**-126 / c``): so group statistics of finite input stay finite over
+    the whole float32 range.
+    """
+    return 2.0 ** -(max(int(length) - 1, 0).bit_length() + 1)
+
+
+def group_sums(view: jax.Array, groups: Groups, scale: float = 1.0) -> jax.Array:
+    """``(num_groups,)`` float32 sums of the view within each group, times ``scale``
+    (`overflow_safe_scale` keeps them finite).
 
     A product with a vector of ones (at full float32 precision) rather than a
     sum reduction: XLA:CPU runs the product as one read of the view, where a
@@ -116,7 +129,7 @@ def group_sums(view: jax.Array, groups: Groups) -> jax.Array:
     made a 1-bit error-feedback round trip twice as slow (see
     ``python -m qcollect.bench quantizers``).
     """
-    ones = jnp.ones((groups.view[groups.axis],), jnp.float32)
+    ones = jnp.full((groups.view[groups.axis],), scale, jnp.float32)
     if groups.axis == 1:
         return jnp.matmul(view, ones, precision=jax.lax.Precision.HIGHEST)
     return jnp.matmul(ones, view, precision=jax.lax.Precision.HIGHEST)

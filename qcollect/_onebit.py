@@ -19,6 +19,7 @@ from qcollect._groups import (
     flat_codes,
     from_view,
     group_sums,
+    overflow_safe_scale,
     sample_within_groups,
     to_view,
     view_codes,
@@ -103,21 +104,27 @@ def onebit(*, grouping: str = "bucket", bucket_size: int = 64,
         return groups.counts - 0.5 * jnp.sum(jnp.abs(sign) - sign, axis=groups.axis)
 
     def exact_means(view, groups, bits):
-        # v + |v| is exactly 2v or 0. total - pos keeps NaN/Inf of the group in
-        # the negative mean (a NaN is neither >= 0 nor < 0, else it would vanish).
-        pos_sum = 0.5 * jnp.sum(view + jnp.abs(view), axis=groups.axis)
-        neg_sum = group_sums(view, groups) - pos_sum
+        # Sums of the values times c (a power of two) cannot overflow; the
+        # means are scaled back. v + |v| is exactly 2v or 0. total - pos keeps
+        # NaN/Inf of the group in the negative mean (a NaN is neither >= 0 nor
+        # < 0, else it would vanish).
+        c = overflow_safe_scale(groups.view[groups.axis])
+        pos_sum = 0.5 * jnp.sum(view * c + jnp.abs(view * c), axis=groups.axis)
+        neg_sum = group_sums(view, groups, scale=c) - pos_sum
         pos_cnt = nonnegative_counts(view, groups, bits)
         neg_cnt = groups.counts - pos_cnt
-        return pos_sum / jnp.maximum(pos_cnt, 1), neg_sum / jnp.maximum(neg_cnt, 1)
+        return (pos_sum / jnp.maximum(pos_cnt, 1) / c,
+                neg_sum / jnp.maximum(neg_cnt, 1) / c)
 
     def sampled_means(view, groups, key):
-        picks = sample_within_groups(view, groups, key, sample)
+        c = overflow_safe_scale(sample)
+        picks = sample_within_groups(view, groups, key, sample) * c
         pos = picks >= 0
         pos_mean = jnp.sum(jnp.where(pos, picks, 0.0), -1) / jnp.maximum(jnp.sum(pos, -1), 1)
         neg_mean = jnp.sum(jnp.where(pos, 0.0, picks), -1) / jnp.maximum(jnp.sum(~pos, -1), 1)
-        poison = jnp.sum(view, axis=groups.axis) * 0.0
-        return pos_mean + poison, neg_mean + poison
+        poison = group_sums(view, groups, scale=overflow_safe_scale(
+            groups.view[groups.axis])) * 0.0
+        return pos_mean / c + poison, neg_mean / c + poison
 
     def encoded(x, key, valid):
         """(payload, the group view, its groups): the view feeds `encode_decoded`."""

@@ -82,16 +82,21 @@ def qsgd(*, bits: int = 4, bucket_size: int | None | str = "default", norm: str 
             require_key(key, "qsgd(stochastic=True)")
         groups = bucket_groups(x.shape, bucket_size)
         view = to_view(x, groups)
-        if norm == "max":
-            # max(max v, -min v) rather than max |v|: a shared |v| would be
-            # materialised by XLA:CPU between the reduction and the packing.
-            scale = jnp.maximum(jnp.max(view, axis=1, initial=0.0),
-                                -jnp.min(view, axis=1, initial=0.0))
-            # XLA:CPU's vectorised max reduction can drop a NaN (seen on
-            # 8192-wide rows); a sum always propagates NaN and Inf.
-            scale = scale + jnp.sum(view - view, axis=1)
-        else:
-            scale = jnp.sqrt(jnp.sum(view * view, axis=1))
+        # max(max v, -min v) rather than max |v|: a shared |v| would be
+        # materialised by XLA:CPU between the reduction and the packing.
+        scale = jnp.maximum(jnp.max(view, axis=1, initial=0.0),
+                            -jnp.min(view, axis=1, initial=0.0))
+        if norm == "l2":
+            # Squares of values over 2**64 overflow: sum them divided by a
+            # power of two at least max |v| (exact), and keep a 2-norm beyond
+            # the float32 range at the float32 maximum (levels stay <= s).
+            c = jnp.ldexp(jnp.float32(1.0), -jnp.frexp(scale)[1])
+            c = jnp.where(jnp.isfinite(c) & (c > 0), c, 1.0)[:, None]
+            norm2 = jnp.sqrt(jnp.sum((view * c) * (view * c), axis=1)) / c[:, 0]
+            scale = jnp.minimum(norm2, jnp.finfo(jnp.float32).max)
+        # XLA:CPU's vectorised max reduction can drop a NaN (seen on
+        # 8192-wide rows); a sum always propagates NaN and Inf.
+        scale = scale + jnp.sum(view - view, axis=1)
         inv = jnp.where(scale > 0, levels / scale, 0.0)
         level = jnp.abs(view) * inv[:, None]
         if stochastic:
