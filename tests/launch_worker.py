@@ -8,6 +8,13 @@ Modes (first argument):
   ``crash OUT_DIR``: process 1 exits with status 3 right after joining while
     process 0 waits in a collective that can never finish.
   ``sleep OUT_DIR``: prints ``ready`` and sleeps (for signal tests).
+  ``hello OUT_DIR``: prints ``ok`` and exits.
+  ``stall OUT_DIR [LENGTH]``: three psums of ``LENGTH`` (default 4) floats per
+    device, then process 1 prints ``stalling`` and sleeps while the others
+    print ``waiting`` and keep calling the psum (a process that stopped
+    arriving). Four floats run inline in the jitted call (no JAX frame on the
+    Python stack); 65536 are dispatched asynchronously and waited for in
+    ``jax.block_until_ready``.
 Every mode writes its process id to ``OUT_DIR/pid<r>``.
 """
 
@@ -213,7 +220,24 @@ def main(argv) -> int:
         print("ready", flush=True)
         time.sleep(120)
         return 0
+    if mode == "hello":
+        print("ok", flush=True)
+        return 0
     mesh = jax.make_mesh((jax.device_count(),), ("d",))
+    if mode == "stall":
+        length = int(argv[2]) if len(argv) > 2 else 4
+        x = global_array(mesh, np.ones((jax.device_count(), length), np.float32))
+        psum = jax.jit(jax.shard_map(functools.partial(jax.lax.psum, axis_name="d"), mesh=mesh,
+                                     in_specs=jax.P("d"), out_specs=jax.P()))
+        for _ in range(3):
+            jax.block_until_ready(psum(x))
+        if rank == 1:
+            print("stalling", flush=True)
+            time.sleep(120)
+            return 0
+        print("waiting", flush=True)
+        while True:
+            jax.block_until_ready(psum(x))
     if mode == "crash":
         if rank == 1:
             sys.exit(3)

@@ -17,11 +17,17 @@ The script calls `initialize` first, before any other JAX use::
 network namespace, linked to a bridge by a veth pair shaped with ``tc``; see
 `qcollect.launch._netns`. The launcher prefixes each output line with
 ``[rank r] ``, and when one process fails it stops the others and exits with
-the failing process's status.
+the failing process's status. ``--stall-timeout SECONDS`` (default 600) ends
+a job whose processes wait that long in a collective for one that does not
+arrive, with status 124 and a line naming it (`qcollect.launch._stall`).
+Workers die with the launcher, even after ``kill -9`` of it
+(`qcollect.launch._worker`), and a ``--bandwidth`` launch first removes the
+namespaces that launchers killed that way left behind.
 
 Environment of every process: ``QCOLLECT_COORDINATOR_ADDRESS``,
-``QCOLLECT_NUM_PROCESSES``, ``QCOLLECT_PROCESS_ID`` and
-``QCOLLECT_DEVICES_PER_PROCESS`` (read by `initialize`), and
+``QCOLLECT_NUM_PROCESSES``, ``QCOLLECT_PROCESS_ID``,
+``QCOLLECT_DEVICES_PER_PROCESS`` and ``QCOLLECT_STALL_TIMEOUT`` (read by
+`initialize`), and
 ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``. JAX
 0.10 reads only ``JAX_COORDINATOR_ADDRESS`` itself: its cluster auto-detection
 (``jax._src.clusters``: SLURM, Open MPI, mpi4py, Kubernetes, Cloud TPU) has no
@@ -37,11 +43,18 @@ collective with it.
 
 from __future__ import annotations
 
+import math
 import os
+import signal
+import threading
 
 from qcollect.launch import _env
 
 __all__ = ["initialize", "is_launched", "main"]
+
+# How long a CPU collective waits for its peers before it fails (XLA's default
+# is 30 minutes); Gloo raises "Timed out waiting ... for recv operation".
+_COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"
 
 
 def is_launched() -> bool:
@@ -49,10 +62,14 @@ def is_launched() -> bool:
     return all(v in os.environ for v in (_env.COORDINATOR, _env.NUM_PROCESSES, _env.PROCESS_ID))
 
 
-def _set_device_count(count: int) -> None:
+def _set_xla_flags(count: int, collective_timeout: float) -> None:
+    """Device count ``count`` (replacing one already set) and, when
+    ``collective_timeout`` > 0 and none is set, XLA's CPU collective timeout."""
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]
     flags.append(f"--xla_force_host_platform_device_count={count}")
+    if collective_timeout > 0 and not any(f.startswith(_COLLECTIVE_TIMEOUT_FLAG) for f in flags):
+        flags.append(f"{_COLLECTIVE_TIMEOUT_FLAG}={max(1, math.ceil(collective_timeout))}")
     os.environ["XLA_FLAGS"] = " ".join(flags)
 
 
@@ -61,11 +78,16 @@ def initialize() -> bool:
 
     In a process started by ``python -m qcollect.launch``: sets
     ``--xla_force_host_platform_device_count=K`` in ``XLA_FLAGS`` (replacing a
-    count already there), selects Gloo for CPU collectives
-    (``jax_cpu_collectives_implementation``) and calls
-    ``jax.distributed.initialize(coordinator, N, rank)``. Elsewhere it does
-    nothing, so the same script also runs as a single process. Calling it again
-    after it joined is a no-op.
+    count already there) and, unless ``XLA_FLAGS`` sets one, the CPU collective
+    timeout ``--xla_cpu_collective_timeout_seconds`` to the launcher's
+    ``--stall-timeout`` (a collective whose peer does not arrive in time then
+    raises instead of waiting); selects Gloo for CPU collectives
+    (``jax_cpu_collectives_implementation``); calls
+    ``jax.distributed.initialize(coordinator, N, rank)``; and restores the
+    SIGTERM handler it found (the default action, normally), which
+    ``jax.distributed`` replaces by one that only records the signal.
+    Elsewhere it does nothing, so the same script also runs as a single
+    process. Calling it again after it joined is a no-op.
 
     Call it before any other JAX use (before the first ``jax.devices()`` or
     computation): device count and collectives are fixed when JAX creates its
@@ -88,12 +110,18 @@ def initialize() -> bool:
 
     if jax.distributed.is_initialized():
         return True
-    count = int(os.environ.get(_env.DEVICES_PER_PROCESS, "1"))
-    _set_device_count(count)
+    _set_xla_flags(int(os.environ.get(_env.DEVICES_PER_PROCESS, "1")),
+                   float(os.environ.get(_env.STALL_TIMEOUT, "0")))
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    main_thread = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGTERM) if main_thread else None
     jax.distributed.initialize(coordinator_address=os.environ[_env.COORDINATOR],
                                num_processes=int(os.environ[_env.NUM_PROCESSES]),
                                process_id=int(os.environ[_env.PROCESS_ID]))
+    # jax.distributed's preemption notifier catches SIGTERM and keeps running;
+    # under the launcher SIGTERM means "stop now" (or what the script set up).
+    if main_thread:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if handler is None else handler)
     return True
 
 

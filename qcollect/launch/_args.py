@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import re
 
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12,
@@ -94,6 +96,14 @@ def _typed(fn, name: str):
     return parse
 
 
+NPROC_PER_CPU = 4
+
+
+def nproc_limit() -> int:
+    """The largest ``--nproc`` accepted without ``--force``: 4 x ``os.cpu_count()``."""
+    return NPROC_PER_CPU * (os.cpu_count() or 1)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The launcher's argument parser (errors exit with status 2)."""
     p = argparse.ArgumentParser(
@@ -115,6 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "implies namespaces; needs the kernel's netem qdisc")
     p.add_argument("--kill-timeout", type=float, default=3.0, metavar="SECONDS",
                    help="after SIGTERM, seconds before SIGKILL (default 3)")
+    p.add_argument("--stall-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="end the job (status 124, naming the ranks that stopped) when "
+                        "processes have waited SECONDS in a collective for a process that "
+                        "does not arrive, or all have waited in JAX that long; 0 turns it "
+                        "off (default 600)")
+    p.add_argument("--force", action="store_true",
+                   help=f"allow --nproc above {NPROC_PER_CPU} x the CPU count")
     p.add_argument("script", help="Python script run as `python script [args]`")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
     return p
@@ -130,4 +147,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.kill_timeout < 0:
         parser.error("--kill-timeout must be non-negative")
+    if not (math.isfinite(args.stall_timeout)
+            and (args.stall_timeout == 0 or args.stall_timeout >= 1)):
+        parser.error(f"--stall-timeout must be 0 (off) or at least 1 second, "
+                     f"got {args.stall_timeout:g}")
+    if args.nproc > nproc_limit() and not args.force:
+        parser.error(f"--nproc {args.nproc} is more than {NPROC_PER_CPU} processes per CPU "
+                     f"({nproc_limit()} on {os.cpu_count()} CPUs); pass --force to run "
+                     "that many anyway")
     return args

@@ -6,6 +6,13 @@ COORDINATOR = "QCOLLECT_COORDINATOR_ADDRESS"
 NUM_PROCESSES = "QCOLLECT_NUM_PROCESSES"
 PROCESS_ID = "QCOLLECT_PROCESS_ID"
 DEVICES_PER_PROCESS = "QCOLLECT_DEVICES_PER_PROCESS"
+# Seconds a collective may wait for a peer (0: no limit set by the launcher);
+# `qcollect.launch.initialize` turns it into XLA's CPU collective timeout.
+STALL_TIMEOUT = "QCOLLECT_STALL_TIMEOUT"
+# Read by the worker wrapper (`qcollect.launch._worker`) only: the launcher's
+# process id (the worker's expected parent) and the pipe that carries its reports.
+LAUNCHER_PID = "QCOLLECT_LAUNCHER_PID"
+STATUS_FD = "QCOLLECT_STATUS_FD"
 
 # JAX 0.10 reads only the coordinator from the environment
 # (``jax.distributed.initialize`` falls back to JAX_COORDINATOR_ADDRESS); it has
@@ -18,13 +25,15 @@ JAX_PROCESS_ID = "JAX_PROCESS_ID"
 
 
 def worker_environment(coordinator: str, num_processes: int, rank: int,
-                       devices_per_process: int) -> dict[str, str]:
+                       devices_per_process: int, *, stall_timeout: float = 0.0
+                       ) -> dict[str, str]:
     """The variables the launcher adds to worker ``rank``'s environment."""
     return {
         COORDINATOR: coordinator,
         NUM_PROCESSES: str(num_processes),
         PROCESS_ID: str(rank),
         DEVICES_PER_PROCESS: str(devices_per_process),
+        STALL_TIMEOUT: repr(float(stall_timeout)),
         JAX_COORDINATOR: coordinator,
         JAX_NUM_PROCESSES: str(num_processes),
         JAX_PROCESS_ID: str(rank),

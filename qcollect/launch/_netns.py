@@ -11,13 +11,18 @@ Every namespace name starts with the same prefix, and the per-namespace hosts
 files live in ``/etc/netns/<name>/`` (which ``ip netns exec`` bind-mounts over
 ``/etc/hosts``). `StarNetwork.close` removes all of them; deleting a namespace
 also deletes the veth ends and the bridge inside it, so nothing is ever created
-in the root namespace.
+in the root namespace. A launcher killed with SIGKILL cannot close its
+network: a `reaper` process it starts first removes the network when the
+launcher is gone, and should that be killed too, `stale` finds what such
+launchers left (the launcher's process id is in the names) and `remove`
+deletes it, as every shaped launch does first.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import subprocess
 
@@ -26,6 +31,9 @@ HUB_HOST = 1
 FIRST_WORKER_HOST = 10
 MAX_WORKERS = 200
 NETNS_ETC = "/etc/netns"
+NETNS_RUN = "/var/run/netns"
+# Names the launcher gives: "qc<launcher pid>-hub", "qc<launcher pid>-<rank>".
+LAUNCHER_NAME = re.compile(r"qc(\d+)-")
 
 
 class NetworkSetupError(RuntimeError):
@@ -181,7 +189,7 @@ class StarNetwork:
         for ns in reversed(self.namespaces):
             proc = subprocess.run(["ip", "netns", "delete", ns], capture_output=True, text=True,
                                   check=False)
-            if proc.returncode != 0 and os.path.exists(f"/var/run/netns/{ns}"):
+            if proc.returncode != 0 and os.path.exists(os.path.join(NETNS_RUN, ns)):
                 errors.append(f"ip netns delete {ns}: {proc.stderr.strip()}")
         self.namespaces.clear()
         for directory in reversed(self.etc_dirs):
@@ -201,9 +209,103 @@ class StarNetwork:
 def leftovers(prefix: str) -> list[str]:
     """Namespaces and ``/etc/netns`` directories whose name starts with ``prefix``."""
     found = []
-    run_dir = "/var/run/netns"
-    for directory in (run_dir, NETNS_ETC):
+    for directory in (NETNS_RUN, NETNS_ETC):
         if os.path.isdir(directory):
             found += [os.path.join(directory, n) for n in sorted(os.listdir(directory))
                       if n.startswith(prefix)]
     return found
+
+
+_REAPER_SCRIPT = ('cat >/dev/null; '
+                  'for ns in "$1"/"$0"*; do [ -e "$ns" ] && ip netns delete "${ns##*/}"; done; '
+                  'rm -rf "$2"/"$0"*')
+
+
+def reaper(prefix: str) -> subprocess.Popen:
+    """A process that removes every namespace and hosts directory whose name
+    starts with ``prefix`` once its stdin is closed.
+
+    The launcher holds the only write end of that pipe, so the removal runs
+    when the launcher exits, however it ends (also by SIGKILL). The process is
+    in a session of its own, out of reach of the terminal's Ctrl-C.
+    """
+    return subprocess.Popen(["sh", "-c", _REAPER_SCRIPT, prefix, NETNS_RUN, NETNS_ETC],
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def _boot_time() -> float:
+    with open("/proc/stat") as f:
+        for line in f:
+            if line.startswith("btime "):
+                return float(line.split()[1])
+    return 0.0
+
+
+def process_start_time(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch), or None when no
+    such process runs (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] in ("Z", "X", "x"):
+        return None
+    return _boot_time() + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def stale(prefix: str = "qc") -> dict[int, list[str]]:
+    """What launchers that are no longer running left behind.
+
+    A name ``qc<pid>-...`` belongs to the launcher with process id ``pid``; it
+    is stale when no process ``pid`` runs, or when the one that does started
+    after the namespace or directory was made (the id was reused).
+
+    Returns:
+      Launcher process id -> its namespaces (``/var/run/netns/...``) and hosts
+      directories (``/etc/netns/...``).
+    """
+    owned: dict[int, list[str]] = {}
+    for path in leftovers(prefix):
+        m = LAUNCHER_NAME.match(os.path.basename(path))
+        if m is not None:
+            owned.setdefault(int(m.group(1)), []).append(path)
+    boot = _boot_time()
+    found = {}
+    for pid, paths in owned.items():
+        started = process_start_time(pid)
+        if started is not None:
+            made = []
+            for path in paths:
+                try:
+                    made.append(os.lstat(path).st_ctime)
+                except OSError:
+                    pass
+            made = [t for t in made if t >= boot]
+            # Running and older than what it owns (2 s for clock rounding): its own.
+            if not made or started <= min(made) + 2.0:
+                continue
+        found[pid] = paths
+    return found
+
+
+def remove(paths) -> list[str]:
+    """Deletes namespaces (``/var/run/netns/<name>``) and hosts directories; never raises.
+
+    Returns:
+      Error messages of deletions that failed (empty on success).
+    """
+    errors = []
+    for path in paths:
+        if os.path.dirname(path) == NETNS_RUN:
+            name = os.path.basename(path)
+            proc = subprocess.run(["ip", "netns", "delete", name], capture_output=True,
+                                  text=True, check=False)
+            if proc.returncode != 0 and os.path.exists(path):
+                errors.append(f"ip netns delete {name}: {proc.stderr.strip()}")
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            if os.path.exists(path):
+                errors.append(f"could not remove {path}")
+    return errors

@@ -1,0 +1,169 @@
+"""Stall detection: processes that wait in a collective for one that does not arrive.
+
+Two detectors end a stalled job after ``--stall-timeout`` seconds, whichever
+fires first:
+
+1. The runtime's own: `qcollect.launch.initialize` sets XLA's CPU collective
+   timeout (``--xla_cpu_collective_timeout_seconds``) to the stall timeout, so a
+   Gloo collective whose peer does not arrive fails in every waiting process.
+   JAX 0.10 has nothing else for a peer that is alive but stuck:
+   ``jax.distributed``'s heartbeats only notice processes that died. The worker
+   reports ``timeout`` and stays alive (so that the coordination service, in
+   process 0, does not take the others down with it); the launcher waits
+   `GRACE_SECONDS` for the other waiting processes to time out too.
+2. The workers' stack samples (`qcollect.launch._worker`): a process blocked
+   in one JAX call for the timeout while it stayed idle. This also covers
+   waits outside Gloo collectives, and a timeout set higher in ``XLA_FLAGS``.
+
+Either way the launcher names the processes that did not arrive: those whose
+last report was neither a timeout nor an idle wait in JAX (outside JAX, busy
+computing in JAX, or not started). When there is none, every process waited:
+a deadlock, or a peer lost without exiting.
+
+Reading the stack misses one kind of wait: a jitted call small enough for XLA
+to run inline blocks inside the C++ dispatch with no JAX frame on the Python
+stack, so it reads as the script's own code. Such a process still times out
+under detector 1 and is not named.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import threading
+
+GRACE_SECONDS = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """A worker's last report, stamped with the launcher's clock when it arrived.
+
+    Attributes:
+      state: ``"starting"`` (none yet), ``"user"`` (outside JAX), ``"jax"``
+        (inside JAX) or ``"timeout"`` (a collective failed on the timeout).
+      seconds: how long the worker had been in ``state`` when it reported.
+      wait: how long it had been blocked, idle, in one JAX call, or None.
+      at: ``time.monotonic()`` of the launcher when the report arrived.
+    """
+
+    state: str
+    seconds: float
+    wait: float | None
+    at: float
+
+    def state_age(self, now: float) -> float:
+        return self.seconds + (now - self.at)
+
+    def wait_age(self, now: float) -> float | None:
+        return None if self.wait is None else self.wait + (now - self.at)
+
+
+def parse(line: bytes, at: float) -> Report | None:
+    """The `Report` in one JSON line of a worker, or None if it is not one."""
+    try:
+        record = json.loads(line)
+        state = str(record["state"])
+        seconds = float(record.get("for") or 0.0)
+        wait = record.get("wait")
+        return Report(state, seconds, None if wait is None else float(wait), at)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+class Board:
+    """The latest report of every rank, fed by one reader thread per worker pipe."""
+
+    def __init__(self, nproc: int, now: float):
+        self._lock = threading.Lock()
+        self._reports = {r: Report("starting", 0.0, None, now) for r in range(nproc)}
+        self.threads: list[threading.Thread] = []
+
+    def read(self, rank: int, pipe, clock) -> None:
+        """Starts a daemon thread that reads ``pipe`` (binary) until it closes."""
+        def loop():
+            with contextlib.suppress(ValueError, OSError):
+                for line in iter(pipe.readline, b""):
+                    report = parse(line, clock())
+                    if report is not None:
+                        with self._lock:
+                            if self._reports[rank].state != "timeout":   # the last word
+                                self._reports[rank] = report
+            with contextlib.suppress(OSError):
+                pipe.close()
+
+        t = threading.Thread(target=loop, daemon=True)
+        t.start()
+        self.threads.append(t)
+
+    def snapshot(self) -> dict[int, Report]:
+        with self._lock:
+            return dict(self._reports)
+
+
+def ranks(rs) -> str:
+    """``"rank 1"`` or ``"ranks 0, 2"``."""
+    rs = sorted(rs)
+    return f"rank {rs[0]}" if len(rs) == 1 else "ranks " + ", ".join(map(str, rs))
+
+
+def describe(report: Report, now: float) -> str:
+    """Where a process that did not arrive was, from its last report."""
+    age = report.state_age(now)
+    if report.state == "user":
+        return f"outside JAX for {age:.1f} s"
+    if report.state == "jax":
+        return f"busy in JAX for {age:.1f} s"
+    if report.state == "starting":
+        return f"no report in {age:.1f} s"
+    return report.state
+
+
+def _waiting(report: Report) -> bool:
+    return report.state == "timeout" or report.wait is not None
+
+
+def _stopped(reports: dict[int, Report], live, now: float) -> str | None:
+    """``"rank 1 stopped arriving (outside JAX for 7.2 s)"`` for the live ranks
+    that were not waiting, or None when all were."""
+    named = sorted(r for r in live if not _waiting(reports[r]))
+    if not named:
+        return None
+    where = [describe(reports[r], now) for r in named]
+    if len(named) > 1:
+        where = [f"{r}: {w}" for r, w in zip(named, where, strict=True)]
+    return f"{ranks(named)} stopped arriving ({'; '.join(where)})"
+
+
+def sampled_stall(reports: dict[int, Report], live, timeout: float, now: float) -> str | None:
+    """Detector 2: the message when a live rank waited ``timeout`` in one JAX call.
+
+    None while no rank waited that long, or while the ranks that did not wait
+    that long are all still waiting (they time out or catch up first).
+    """
+    waited = sorted(r for r in live
+                    if (w := reports[r].wait_age(now)) is not None and w >= timeout)
+    if not waited:
+        return None
+    longest = max(reports[r].wait_age(now) for r in waited)
+    stopped = _stopped(reports, live, now)
+    if stopped is not None:
+        return f"{stopped}; {ranks(waited)} waited {longest:.1f} s in JAX"
+    if len(waited) == len(live):
+        return f"every process ({ranks(waited)}) waited in JAX: a deadlock or a lost peer"
+    return None
+
+
+def timeout_stall(reports: dict[int, Report], running, now: float) -> str:
+    """Detector 1: the message once the grace after the first timeout report is
+    over; ``running`` are the ranks that had not finished when it came."""
+    timed_out = sorted(r for r in running if reports[r].state == "timeout")
+    waited = f"{ranks(timed_out)} timed out waiting in a collective"
+    stopped = _stopped(reports, running, now)
+    if stopped is not None:
+        return f"{stopped}; {waited}"
+    others = [r for r in running if r not in timed_out]
+    if others:
+        waited += f" and {ranks(others)} waited in JAX"
+    return f"{waited}: a deadlock or a lost peer"
