@@ -206,6 +206,7 @@ def test_cnn_example_compresses_conv_kernels(tmp_path):
     assert (tmp_path / "mnist_cnn.png").exists()
 
 
+@pytest.mark.slow  # a research script: about 50 s of entropy compiles
 def test_parity_diagnostics_measure_every_compressed_layer(tiny_mnist, tmp_path):
     spec = importlib.util.spec_from_file_location("parity_diagnostics",
                                                   ROOT / "examples" / "parity_diagnostics.py")

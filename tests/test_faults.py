@@ -1,6 +1,8 @@
 """Bad and extreme input: every compressor keeps finite input finite over the whole
 float32 range (and non-finite input non-finite), alone and through the collective."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,16 +37,25 @@ def _inputs():
     }
 
 
-def _round_trip(c, x, key=jax.random.key(1)):  # noqa: B008
+@functools.cache
+def _jitted_round_trip(c):
+    return jax.jit(lambda v, key: c.decode(c.encode(v, key)))
+
+
+def _round_trip(c, x):
+    key = jax.random.key(1)
     if isinstance(c, qc.EntropyCompressor):
         c = c.with_plan(c.plan(x, key))
-    return jax.jit(lambda v: c.decode(c.encode(v, key)))(x)
+    return _jitted_round_trip(c)(x, key)
 
 
-@pytest.mark.parametrize("name", list(_compressors()))
+COMPRESSORS = _compressors()
+
+
+@pytest.mark.parametrize("name", list(COMPRESSORS))
 @pytest.mark.parametrize("case", list(_inputs()))
 def test_finite_input_decodes_finite_over_the_float32_range(name, case):
-    c = _compressors()[name]
+    c = COMPRESSORS[name]
     x = jnp.asarray(_inputs()[case], jnp.float32).reshape(64, 64)
     out = np.asarray(_round_trip(c, x))
     assert np.isfinite(out).all(), f"{name} on {case}: {np.sum(~np.isfinite(out))} non-finite"
@@ -52,17 +63,16 @@ def test_finite_input_decodes_finite_over_the_float32_range(name, case):
         np.testing.assert_allclose(out, np.asarray(x), rtol=1e-2)
 
 
-@pytest.mark.parametrize("name", list(_compressors()))
+@pytest.mark.parametrize("name", list(COMPRESSORS))
 def test_non_finite_input_stays_non_finite(name):
-    c = _compressors()[name]
+    c = COMPRESSORS[name]
     x = np.asarray(_inputs()["1e37"], np.float32).reshape(64, 64)
     for bad in (np.nan, np.inf):
         y = x.copy()
         y[5, 7] = bad
         if isinstance(c, qc.EntropyCompressor):  # plan on finite values, encode the bad
             c = c.with_plan(c.plan(jnp.asarray(x), jax.random.key(1)))
-        out = np.asarray(jax.jit(lambda v, c=c: c.decode(c.encode(v, jax.random.key(1))))(
-            jnp.asarray(y)))
+        out = np.asarray(_jitted_round_trip(c)(jnp.asarray(y), jax.random.key(1)))
         assert not np.isfinite(out).all(), f"{name} made {bad} finite"
 
 

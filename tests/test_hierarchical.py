@@ -66,10 +66,10 @@ def _tree(n, rng, dtype=jnp.float32, length=7):
 
 
 IDENTITY_CASES = (
-    [(nodes, local, jnp.float32, a) for nodes, local in [(2, 4), (4, 2), (2, 3), (1, 4), (4, 1)]
-     for a in qc.ALGORITHMS]
-    + [(2, 3, jnp.bfloat16, a) for a in qc.ALGORITHMS]
-    + [(2, 4, jnp.float16, a) for a in qc.ALGORITHMS])
+    [(2, 4, jnp.float32, a) for a in qc.ALGORITHMS]
+    + [(4, 2, jnp.float32, "pairwise"), (2, 3, jnp.float32, "ring"),
+       (1, 4, jnp.float32, "pairwise"), (4, 1, jnp.float32, "ring_requantize"),
+       (2, 3, jnp.bfloat16, "pairwise"), (2, 4, jnp.float16, "ring")])
 
 
 @pytest.mark.parametrize("nodes, local, dtype, algorithm", IDENTITY_CASES,
