@@ -11,6 +11,8 @@ like any other pytree, and no output shape ever depends on data.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -102,6 +104,23 @@ class Compressor:
         the encoding pass from the values the codes were made of (no
         unpacking): what `round_trip` runs when the format allows it.
 
+    Decoding validates the payload first, at trace time (nothing runs on
+    the device): its format must be ``name``, and its array leaves must be
+    exactly those ``encode`` makes for an array of the payload's static
+    shape and dtype (the same names, shapes and dtypes), or ValueError
+    names the leaf, its shape and dtype, and the ones expected. A
+    truncated scale or code array therefore fails loudly instead of
+    decoding to wrong values. The expected leaves are
+    `jax.eval_shape` of ``encode`` (trace only), kept per shape and dtype
+    on the compressor, so a program pays for them once per compressor and
+    array shape. Under `jax.vmap` the leaves are compared with their
+    per-example shapes; payloads summed in the compressed domain and
+    payloads encoded with ``valid=`` have the plain layout. A compressor
+    whose ``encode`` takes a static ``plan=`` (`entropy`) also decodes the
+    payloads of its plans, whose sizes the plan sets: for those the leaf
+    names, dtypes and ranks are checked (decoding with ``with_plan(plan)``
+    checks the planned sizes exactly).
+
     Example:
       >>> import jax, jax.numpy as jnp, qcollect as qc
       >>> c = qc.qsgd(bits=4)
@@ -127,6 +146,28 @@ class Compressor:
     settings: tuple[tuple[str, Any], ...] = ()
     encode_decoded: Callable[..., tuple[Payload, jax.Array]] | None = dataclasses.field(
         default=None, compare=False)
+
+    def __post_init__(self):
+        # Decode through the layout check; a decode taken from another
+        # compressor (``dataclasses.replace``, a shared codec) is unwrapped
+        # first, so it is checked against this compressor's own encode.
+        decode = getattr(self.decode, _UNCHECKED, self.decode)
+        object.__setattr__(self, "_layouts", {})
+        object.__setattr__(self, "decode", _checked_decode(self, decode))
+
+    def _layout(self, shape, dtype) -> dict[str, jax.ShapeDtypeStruct]:
+        """``{leaf name: jax.ShapeDtypeStruct}`` that ``encode`` makes for an
+        array of ``shape`` and ``dtype`` (nested names joined by ``/``).
+
+        `jax.eval_shape` of ``encode`` (with a key where stochastic): trace
+        only, computed once per shape and dtype and kept on the compressor.
+        Raises ValueError when ``encode`` rejects such an array.
+        """
+        spec = (tuple(int(d) for d in shape), np.dtype(dtype))
+        layouts = object.__getattribute__(self, "_layouts")
+        if spec not in layouts:
+            layouts[spec] = _eval_layout(self, *spec)
+        return dict(layouts[spec])
 
     def round_trip(self, x, key=None, **kwargs) -> tuple[Payload, jax.Array]:
         """``(payload, decode(payload))`` of ``x``: the error-feedback round trip.
@@ -245,8 +286,109 @@ def payload_bytes(tree) -> int:
 
 
 def check_format(payload: Payload, name: str) -> None:
-    """Raises ValueError when ``payload`` was made by another wire format."""
+    """Raises ValueError, naming both formats, when ``payload`` was made by
+    another wire format than ``name``."""
     if not isinstance(payload, Payload):
         raise TypeError(f"payload must be a qcollect Payload, got {type(payload).__name__}")
     if payload.format != name:
-        raise ValueError(f"payload has format {payload.format!r}; this compressor decodes {name!r}")
+        raise ValueError(f"payload has wire format {payload.format!r}, but this compressor "
+                         f"decodes format {name!r}; decode it with the compressor that "
+                         "encoded it")
+
+
+#: Attribute of a checked decode holding the compressor's own decode.
+_UNCHECKED = "_qcollect_unchecked_decode"
+
+
+def _checked_decode(compressor: Compressor, decode: Callable) -> Callable:
+    """``decode`` behind `check_payload` for ``compressor``."""
+
+    @functools.wraps(decode)
+    def checked(payload, *args, **kwargs):
+        check_payload(compressor, payload)
+        return decode(payload, *args, **kwargs)
+
+    setattr(checked, _UNCHECKED, decode)
+    return checked
+
+
+def _leaf_name(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+                    for k in path)
+
+
+def _leaves(arrays) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """``{name: (shape, dtype)}`` of a payload's array leaves (arrays, tracers
+    or `jax.ShapeDtypeStruct`)."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(arrays)
+    out = {}
+    for path, leaf in leaves:
+        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+            out[_leaf_name(path)] = (tuple(leaf.shape), np.dtype(leaf.dtype))
+        else:
+            out[_leaf_name(path)] = (np.shape(leaf), np.result_type(leaf))
+    return out
+
+
+def _eval_layout(compressor: Compressor, shape, dtype):
+    """The leaves of ``compressor.encode`` for ``shape`` and ``dtype``, traced
+    abstractly, as ``((name, ShapeDtypeStruct), ...)``."""
+
+    def encode(x):
+        if compressor.stochastic:
+            return compressor.encode(x, jax.random.key(0))
+        return compressor.encode(x)
+
+    try:
+        payload = jax.eval_shape(encode, jax.ShapeDtypeStruct(shape, dtype))
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"a {compressor.name!r} payload cannot hold a {shape} {dtype} "
+                         f"array: its encode rejects one ({err})") from err
+    return tuple((name, jax.ShapeDtypeStruct(s, d))
+                 for name, (s, d) in _leaves(payload.arrays).items())
+
+
+def _planned(compressor: Compressor) -> bool:
+    """True when ``compressor.encode`` takes a static ``plan=`` that sets sizes."""
+    try:
+        return "plan" in inspect.signature(compressor.encode).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def check_payload(compressor: Compressor, payload: Payload) -> None:
+    """Raises ValueError unless ``payload`` is one ``compressor`` encodes.
+
+    Trace-time only: compares the format name, then the payload's leaf
+    names, shapes and dtypes with the layout ``encode`` makes for its static shape
+    and dtype. `Compressor.decode` runs it before decoding.
+
+    Raises:
+      TypeError: ``payload`` is not a `Payload`.
+      ValueError: another format, a missing or extra leaf, or a leaf of
+        another shape or dtype; the message names the leaf and both.
+    """
+    check_format(payload, compressor.name)
+    want = {name: (tuple(s.shape), np.dtype(s.dtype))
+            for name, s in compressor._layout(payload.shape, payload.dtype).items()}
+    got = _leaves(payload.arrays)
+    what = (f"a {payload.format!r} payload of a {tuple(payload.shape)} "
+            f"{np.dtype(payload.dtype).name} array")
+    if got.keys() != want.keys():
+        missing = sorted(want.keys() - got.keys())
+        extra = sorted(got.keys() - want.keys())
+        raise ValueError(f"payload leaves {sorted(got)} are not those of {what}: "
+                         f"{sorted(want)} (missing {missing}, unexpected {extra})")
+    planned = None
+    for name, (shape, dtype) in got.items():
+        want_shape, want_dtype = want[name]
+        if dtype == want_dtype and shape == want_shape:
+            continue
+        if dtype == want_dtype and len(shape) == len(want_shape):
+            if planned is None:
+                planned = _planned(compressor)
+            if planned:
+                continue  # a planned payload: the plan sets this leaf's size
+        raise ValueError(f"payload leaf {name!r} has shape {shape} and dtype {dtype.name}, "
+                         f"but {what} has {name!r} of shape {want_shape} and dtype "
+                         f"{want_dtype.name}")

@@ -18,8 +18,11 @@ N is the size of the op's replica group. The per-op figures are those of the
 bandwidth-optimal algorithms (Gibiansky, "Bringing HPC Techniques to Deep
 Learning"), so an XLA all-reduce and qcollect's ring all-reduce of the same
 buffer count the same. Collectives inside a while loop count once per
-iteration (XLA's ``known_trip_count``; a loop without one raises ValueError);
-of a conditional's branches the largest counts, since one runs per call
+iteration of its body (XLA's ``known_trip_count``), those of its condition
+once more; a loop that runs no collective, at any depth, sends nothing and
+needs no trip count, while one that does and has no known trip count (a
+data-dependent ``lax.while_loop``) raises ValueError naming the loop. Of a
+conditional's branches the largest counts, since one runs per call
 (``branches="min"``: the smallest, e.g. the steady compressed phase of a
 transformation that switches phases with ``lax.cond``).
 """
@@ -185,15 +188,42 @@ def wire_report(fn, *args, branches: str = "max", **kwargs) -> list[WireOp]:
     return report_from_hlo(hlo, branches)
 
 
+def _callees(line: str) -> list[str]:
+    """The computations one instruction runs: loop body and condition, fused or
+    called computations, reducers and conditional branches."""
+    names = re.findall(r"(?:body|condition|calls|to_apply|true_computation|"
+                       r"false_computation)=%([\w.\-]+)", line)
+    for group in re.findall(r"(?:branch|called)_computations=\{([^}]*)\}", line):
+        names += re.findall(r"%([\w.\-]+)", group)
+    return names
+
+
+def _holds_collective(comp: str, comps, memo: dict[str, bool]) -> bool:
+    """True when ``comp`` or any computation it runs, at any depth, has a collective."""
+    if comp not in memo:
+        memo[comp] = False  # a cycle adds nothing
+        for _, _shape, rest, line in comps.get(comp, ()):
+            base = rest.split("(", 1)[0].strip().removesuffix("-start").removesuffix("-done")
+            if base in _COLLECTIVES or any(_holds_collective(c, comps, memo)
+                                           for c in _callees(line)):
+                memo[comp] = True
+                break
+    return memo[comp]
+
+
 def report_from_hlo(hlo: str, branches: str = "max") -> list[WireOp]:
     pick = max if branches == "max" else min
     comps, shapes, entry, default_group = _parse(hlo)
     ops: list[WireOp] = []
+    memo: dict[str, bool] = {}
+
+    def holds(comp: str) -> bool:
+        return _holds_collective(comp, comps, memo)
 
     def visit(comp: str, multiplicity: int, seen: tuple[str, ...]):
         if comp in seen or comp not in comps:
             return
-        for _, _shape, rest, line in comps[comp]:
+        for name, _shape, rest, line in comps[comp]:
             opname = rest.split("(", 1)[0].strip()
             base = opname.removesuffix("-start")
             if base in _COLLECTIVES and not opname.endswith("-done"):
@@ -210,11 +240,17 @@ def report_from_hlo(hlo: str, branches: str = "max") -> list[WireOp]:
                                   _device_groups(line)))
             if opname == "while":
                 body = re.search(r"body=%([\w.\-]+)", line).group(1)
+                condition = re.search(r"condition=%([\w.\-]+)", line).group(1)
+                if not (holds(body) or holds(condition)):
+                    continue  # sends nothing, however many times it runs
                 trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
                 if trip is None:
-                    raise ValueError(f"while loop {body} has no known trip count; "
-                                     "wire bytes would depend on data")
-                visit(body, multiplicity * int(trip.group(1)), seen + (comp,))
+                    raise ValueError(f"while loop %{name} (body %{body}) runs a collective "
+                                     "but has no known trip count; its wire bytes would "
+                                     "depend on data")
+                trips = int(trip.group(1))
+                visit(body, multiplicity * trips, seen + (comp,))
+                visit(condition, multiplicity * (trips + 1), seen + (comp,))
             elif opname == "conditional":
                 branches = re.findall(r"%([\w.\-]+)", (re.search(
                     r"branch_computations=\{([^}]*)\}", line) or re.search(

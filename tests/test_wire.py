@@ -1,5 +1,7 @@
 """wire_bytes reads what the compiled program sends."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -146,3 +148,110 @@ def test_iota_replica_groups_are_read():
     assert _device_groups("all-reduce(%p), replica_groups={{0,2},{1,3}}") == ((0, 2), (1, 3))
     assert _device_groups("collective-permute(%p), source_target_pairs={{0,1},{1,0}}") == (
         (0, 1), (1, 0))
+
+
+def _halve_until_small(u):
+    """A data-dependent loop (no known trip count) that runs no collective."""
+    return lax.while_loop(lambda c: jnp.abs(c).sum() > 1.0, lambda c: c * 0.5, u)
+
+
+def test_loop_without_collectives_counts_nothing_whatever_its_trips():
+    n = 4
+    x = jnp.ones((n, 100))
+    psum_only = _wire(lambda v: lax.psum(v, "d"), n, x)
+    assert psum_only == pytest.approx(2 * (n - 1) / n * 400, abs=1)
+    mixed = _wire(lambda v: _halve_until_small(lax.psum(v, "d")) + v, n, x)
+    assert mixed == psum_only  # the psum outside the loop, nothing for the loop
+
+
+def test_loop_with_nested_control_flow_but_no_collective_counts_nothing():
+    def nested(u):
+        def body(c):
+            c = lax.cond(c[0] > 0, lambda w: w * 0.5, lambda w: -w, c)
+            return lax.fori_loop(0, 3, lambda i, w: w * 0.9, c)
+        return lax.while_loop(lambda c: jnp.abs(c).sum() > 1.0, body, u)
+
+    assert _wire(nested, 4, jnp.ones((4, 100))) == 0
+    assert _wire(_halve_until_small, 4, jnp.ones((4, 100))) == 0
+    assert qc.wire_bytes(jax.jit(_halve_until_small), jnp.ones(100)) == 0
+    assert qc.wire_report(_halve_until_small, jnp.ones(100)) == []
+
+
+def test_collective_in_a_data_dependent_loop_raises_naming_the_loop():
+    n = 4
+
+    def converge(u):
+        step = lambda c: lax.pcast(lax.psum(c, "d"), "d", to="varying") * 0.5  # noqa: E731
+        return lax.while_loop(lambda c: jnp.abs(c).sum() > 1.0, step, u)
+
+    run = per_device(converge, n)
+    args = run.shard(jnp.ones((n, 100)))
+    hlo = run.mapped.lower(*args).compile().as_text()
+    loops = re.findall(r"%(while[\w.\-]*) = .* while\(", hlo)
+    assert len(loops) == 1
+    for measure in (qc.wire_bytes, qc.wire_report, qc.wire_bytes_by_axis):
+        with pytest.raises(ValueError, match=re.escape(f"%{loops[0]} ")):
+            measure(run.mapped, *args)
+
+
+def test_collective_deep_inside_a_data_dependent_loop_raises():
+    n = 2
+
+    def converge(u):
+        def body(c):
+            return lax.cond(c[0] > 0, lambda w: lax.ppermute(w, "d", [(0, 1), (1, 0)]),
+                            lambda w: w * 0.5, c)
+        return lax.while_loop(lambda c: jnp.abs(c).sum() > 1.0, body, u)
+
+    with pytest.raises(ValueError, match="while loop .*no known trip count"):
+        _wire(converge, n, jnp.ones((n, 10)))
+
+
+def test_collective_in_a_fori_loop_counts_every_trip():
+    n = 4
+
+    def repeated(u):
+        return lax.fori_loop(0, 5, lambda i, c: lax.pcast(lax.psum(c, "d"), "d",
+                                                           to="varying") * 0.5, u)
+
+    once = _wire(lambda v: lax.psum(v, "d"), n, jnp.ones((n, 100)))
+    assert _wire(repeated, n, jnp.ones((n, 100))) == pytest.approx(5 * once, abs=1)
+
+
+_LOOP_HLO = """HloModule loop, num_partitions=4
+
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %add = f32[] add(%a, %b)
+}
+
+%cond (c: (s32[], f32[8])) -> pred[] {
+  %c = (s32[], f32[8]) parameter(0)
+  %v = f32[8]{0} get-tuple-element(%c), index=1
+  %r = f32[8]{0} all-reduce(%v), replica_groups={{0,1,2,3}}, to_apply=%sum
+  ROOT %p = pred[] constant(true)
+}
+
+%body (c.1: (s32[], f32[8])) -> (s32[], f32[8]) {
+  ROOT %c.1 = (s32[], f32[8]) parameter(0)
+}
+
+ENTRY %main (x: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %x = (s32[], f32[8]) parameter(0)
+  ROOT %while.7 = (s32[], f32[8]) while(%x), condition=%cond, body=%body, TRIP
+}
+"""
+
+
+def test_a_loop_condition_counts_once_more_than_the_body():
+    from qcollect._wire import report_from_hlo
+
+    known = _LOOP_HLO.replace("TRIP", 'backend_config={"known_trip_count":{"n":"3"}}')
+    (op,) = report_from_hlo(known)
+    assert (op.op, op.computation, op.multiplicity) == ("all-reduce", "cond", 4)
+    with pytest.raises(ValueError, match="while loop %while.7 "):
+        report_from_hlo(_LOOP_HLO.replace(", TRIP", ""))
+    silent = _LOOP_HLO.replace("all-reduce(%v), replica_groups={{0,1,2,3}}, to_apply=%sum",
+                               "negate(%v)").replace(", TRIP", "")
+    assert report_from_hlo(silent) == []
