@@ -101,3 +101,25 @@ def test_compressed_all_reduce_of_huge_finite_leaves_is_finite(compressor):
     exact = np.asarray(tree["tiny"], np.float64).sum(0)   # squares of 1e-30 underflow float32
     got = np.asarray(value["tiny"], np.float64)[0]
     assert np.linalg.norm(got - exact) < np.linalg.norm(exact)
+
+
+def test_update_on_another_tree_names_the_first_difference():
+    """tx.update on a tree other than the one tx.init saw: a ValueError naming the
+    first leaf path where they part, or the leaf whose shape changed."""
+    import transforms
+
+    tx = transforms.compressed_all_reduce("d", compressor=qc.onebit(), key=jax.random.key(0))
+    state = tx.init({"a": jnp.zeros((8, 8)), "b": jnp.zeros((4, 4))})
+
+    def update(grads):
+        run = per_device(lambda g: tx.update(g, state)[0], 2)
+        return run(jax.tree.map(lambda a: jnp.stack([a, a]), grads))
+
+    with pytest.raises(ValueError, match=r"not the one init saw.*\['c'\]"):
+        update({"a": jnp.zeros((8, 8)), "c": jnp.zeros((4, 4))})
+    with pytest.raises(ValueError, match=r"not the one init saw"):
+        update({"a": jnp.zeros((8, 8))})
+    with pytest.raises(ValueError, match=r"residual of \['b'\] has shape \(4, 4\), expected "
+                                         r"\(4, 5\)"):
+        update({"a": jnp.zeros((8, 8)), "b": jnp.zeros((4, 5))})
+    assert update({"a": jnp.ones((8, 8)), "b": jnp.ones((4, 4))})["b"].shape == (2, 4, 4)

@@ -20,6 +20,7 @@ from transforms._sharding import (
     check_local_gradients,
     device_block,
     keep_if_finite,
+    leaves_like,
 )
 
 
@@ -161,14 +162,15 @@ def compressed_all_reduce(axis_name, *, compressor: CompressorSpec, key: jax.Arr
         check_local_gradients(grads, axis_name)
         comps = plan(grads)
         leaves, treedef = jax.tree.flatten(grads)
-        stored = treedef.flatten_up_to(state.residual)
-        stored_owner = treedef.flatten_up_to(state.owner_residual)
+        stored = leaves_like(grads, state.residual, "error-feedback residuals")
+        stored_owner = leaves_like(grads, state.owner_residual, "owner residuals")
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(grads)[0]]
         residuals = [None if isinstance(r, optax.MaskedNode)
-                     else device_block(r, g, axis_name, "the error-feedback residual")
-                     for r, g in zip(stored, leaves, strict=True)]
+                     else device_block(r, g, axis_name, f"the error-feedback residual of {path}")
+                     for r, g, path in zip(stored, leaves, paths, strict=True)]
         owners = [None if isinstance(r, optax.MaskedNode)
-                  else device_block(r, g, axis_name, "the owner residual")
-                  for r, g in zip(stored_owner, leaves, strict=True)]
+                  else device_block(r, g, axis_name, f"the owner residual of {path}")
+                  for r, g, path in zip(stored_owner, leaves, paths, strict=True)]
         step_key = jax.random.fold_in(state.key, state.count)
         inputs = [leaf if r is None else leaf.astype(jnp.float32) + r
                   for leaf, r in zip(leaves, residuals, strict=True)]

@@ -162,8 +162,35 @@ def device_block(stored, like, axis_name, what: str):
                 f"has {n}: each device's block holds {stored_size // size} devices' "
                 f"values. Re-initialise the state for {n} devices (transforms.init_sharded).")
         raise ValueError(f"{what} has shape {tuple(jnp.shape(stored))}, expected "
-                         f"{tuple(jnp.shape(like))} (or with a leading device axis of 1)")
+                         f"{tuple(jnp.shape(like))} (or with a leading device axis of 1): "
+                         f"the update's leaf has another shape than the one init saw")
     return jnp.reshape(stored, jnp.shape(like))
+
+
+def leaves_like(tree, stored, what: str) -> list:
+    """``stored``'s entries at the leaves of ``tree`` (``flatten_up_to``).
+
+    Raises:
+      ValueError: the two trees differ (the update's gradients are not the
+        tree ``init`` saw), naming the first path where they part.
+    """
+    treedef = jax.tree.structure(tree)
+    try:
+        return treedef.flatten_up_to(stored)
+    except (ValueError, TypeError):
+        pass
+    keystr = jax.tree_util.keystr
+    got = [keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    saw = [keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+        stored, is_leaf=lambda x: isinstance(x, optax.MaskedNode) or hasattr(x, "shape"))[0]]
+    first = next((i for i, (a, b) in enumerate(zip(got, saw, strict=False)) if a != b),
+                 min(len(got), len(saw)))
+    here = got[first] if first < len(got) else "(no more leaves)"
+    there = saw[first] if first < len(saw) else "(no more leaves)"
+    raise ValueError(f"the update's tree is not the one init saw ({what}): first difference "
+                     f"at leaf {first}: {here or 'the root'} in the update, {there or 'the root'} "
+                     f"in the state ({len(got)} leaves against {len(saw)}). Initialise the "
+                     f"state with the same parameter tree.")
 
 
 def as_block(value, stored):
