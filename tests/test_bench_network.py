@@ -90,6 +90,7 @@ def test_swap_probe_times_one_swap_and_its_pieces(tmp_path):
     assert cells[4] == "1 / 8"
 
 
+@pytest.mark.slow  # a probe mode: two more launched processes
 def test_node_probe_times_the_collectives_inside_a_node(tmp_path):
     out = tmp_path / "node"
     run = _bench("--nproc", "2", "--devices-per-process", "2", "--bandwidth", "none",
