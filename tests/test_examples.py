@@ -277,6 +277,7 @@ def test_checkpoint_resume_is_bit_identical(tmp_path):
         np.testing.assert_array_equal(_leaf_bits(x), _leaf_bits(y))
 
 
+@pytest.mark.slow  # two entropy runs and a resume: about a minute of compiles
 def test_entropy_resume_keeps_the_plans(tmp_path, monkeypatch):
     """Plans every 2 steps, a checkpoint after 3: the resumed run continues with
     the saved plan (it plans nothing at step 3) and matches the straight run. One
