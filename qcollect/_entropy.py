@@ -122,7 +122,10 @@ def entropy(*, sample_fraction: float = 0.03, prelim_bits: int = 4, floor: int =
       entropy estimate. The plan must be Python ints (static); cache one
       compiled step per plan, e.g.
       ``jax.jit(c.encode, static_argnames="plan")``. A planned payload is
-      the unplanned one with its arrays cut to the planned sizes. A plan
+      the unplanned one with its arrays cut to the planned sizes; its wire
+      format names the plan (``.../plan/b7/w100``), so every entropy
+      compressor of the same settings decodes it and checks those sizes
+      exactly. A plan
       belongs to the compressor and data it was made for; on other data (or
       a Huffman plan given to a raw compressor) it may be too small: the
       stream is then cut and ``range`` is set to NaN, so decode returns
@@ -184,7 +187,7 @@ def entropy(*, sample_fraction: float = 0.03, prelim_bits: int = 4, floor: int =
     codec = _Codec(sample_fraction, prelim_bits, floor, ceiling, huffman, block_size)
     return EntropyCompressor(codec.name, codec.encode, codec.decode, linear=False,
                              stochastic=codec.stochastic, grouping="leaf", masks_padding=True,
-                             settings=codec.settings)
+                             settings=codec.settings, variant=codec.variant)
 
 
 def _flat(x) -> jax.Array:
@@ -274,6 +277,21 @@ class _Codec:
         check_int("plan.words", words, low=0)
         return self._planned(bits, words)
 
+    def plan_format(self, bits: int, words: int) -> str:
+        """The wire format of payloads encoded with plan ``(bits, words)``:
+        the plan's sizes are static metadata, so decoding checks them."""
+        return f"{self.name}/plan/b{bits}/w{words}"
+
+    def variant(self, fmt: str) -> Compressor | None:
+        """The planned compressor whose payloads have format ``fmt``, or None."""
+        prefix = f"{self.name}/plan/b"
+        if not fmt.startswith(prefix):
+            return None
+        bits, _, words = fmt[len(prefix):].partition("/w")
+        if not (bits.isdigit() and words.isdigit()):
+            return None
+        return self.with_plan((int(bits), int(words)))
+
     def _block(self, n: int) -> int:
         return self.block or max(n, 1)
 
@@ -316,19 +334,21 @@ class _Codec:
         w_min, w_max = _extremes(flat, real)
         n_bits = self._bits(flat, w_min, w_max, key, real)
         words = packed_words(flat.shape[0] * self.ceiling, 1, jnp.uint32)
-        return self._pack(x, flat, w_min, w_max, n_bits, 2**self.ceiling, words)
+        return self._pack(x, flat, w_min, w_max, n_bits, 2**self.ceiling, words, self.name)
 
     def _make_planned(self, bits: int, words: int) -> Compressor:
         def encode(x, key=None, *, valid=None):
             flat = _flat(x)
             w_min, w_max = _extremes(flat, _real_count(valid))
-            return self._pack(x, flat, w_min, w_max, jnp.int32(bits), 2**bits, words)
+            return self._pack(x, flat, w_min, w_max, jnp.int32(bits), 2**bits, words, name)
 
-        return Compressor(self.name, encode, self.decode, linear=False, stochastic=False,
+        name = self.plan_format(bits, words)
+        return Compressor(name, encode, self.decode, linear=False, stochastic=False,
                           grouping="leaf", masks_padding=True,
-                          settings=self.settings + (("plan", EntropyPlan(bits, words)),))
+                          settings=self.settings + (("plan", EntropyPlan(bits, words)),),
+                          variant=self.variant)
 
-    def _pack(self, x, flat, w_min, w_max, n_bits, symbols, words) -> Payload:
+    def _pack(self, x, flat, w_min, w_max, n_bits, symbols, words, name) -> Payload:
         q = _quantize(flat, w_min, w_max, n_bits)
         arrays = {"bits": n_bits.astype(jnp.uint32)[None]}
         if self.huffman:
@@ -342,11 +362,14 @@ class _Codec:
         nan = jnp.float32(jnp.nan)
         arrays["range"] = jnp.where(overflow, nan, jnp.stack([w_min, w_max]))
         arrays["stream"] = stream
-        return Payload(arrays, tuple(jnp.shape(x)), jnp.asarray(x).dtype, self.name)
+        return Payload(arrays, tuple(jnp.shape(x)), jnp.asarray(x).dtype, name)
 
     def decode(self, payload: Payload) -> jax.Array:
-        """Algorithm 2: rebuild the code from the lengths, decode, bin centres."""
-        check_format(payload, self.name)
+        """Algorithm 2: rebuild the code from the lengths, decode, bin centres.
+
+        Decodes this codec's payloads, unplanned or of any plan."""
+        if self.variant(payload.format) is None:
+            check_format(payload, self.name)
         n = math.prod(payload.shape)
         n_bits = payload["bits"][0]
         if self.huffman:

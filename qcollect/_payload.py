@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -103,6 +102,11 @@ class Compressor:
         (payload, x_hat)`` with ``x_hat == decode(payload)``, computed in
         the encoding pass from the values the codes were made of (no
         unpacking): what `round_trip` runs when the format allows it.
+      variant: optional ``variant(format) -> Compressor | None``: for a
+        compressor whose payloads come in variants of its format with other
+        sizes (an entropy plan), the compressor that encodes payloads of
+        ``format``, against whose layout decoding checks them; None for a
+        format that is no variant.
 
     Decoding validates the payload first, at trace time (nothing runs on
     the device): its format must be ``name``, and its array leaves must be
@@ -115,11 +119,10 @@ class Compressor:
     on the compressor, so a program pays for them once per compressor and
     array shape. Under `jax.vmap` the leaves are compared with their
     per-example shapes; payloads summed in the compressed domain and
-    payloads encoded with ``valid=`` have the plain layout. A compressor
-    whose ``encode`` takes a static ``plan=`` (`entropy`) also decodes the
-    payloads of its plans, whose sizes the plan sets: for those the leaf
-    names, dtypes and ranks are checked (decoding with ``with_plan(plan)``
-    checks the planned sizes exactly).
+    payloads encoded with ``valid=`` have the plain layout. Payloads whose
+    sizes a static plan sets (`entropy`'s ``with_plan``) name the plan in
+    their format, so they are checked exactly against that plan's layout
+    (``variant``).
 
     Example:
       >>> import jax, jax.numpy as jnp, qcollect as qc
@@ -145,6 +148,8 @@ class Compressor:
     masks_padding: bool = False
     settings: tuple[tuple[str, Any], ...] = ()
     encode_decoded: Callable[..., tuple[Payload, jax.Array]] | None = dataclasses.field(
+        default=None, compare=False)
+    variant: Callable[[str], Compressor | None] | None = dataclasses.field(
         default=None, compare=False)
 
     def __post_init__(self):
@@ -348,14 +353,6 @@ def _eval_layout(compressor: Compressor, shape, dtype):
                  for name, (s, d) in _leaves(payload.arrays).items())
 
 
-def _planned(compressor: Compressor) -> bool:
-    """True when ``compressor.encode`` takes a static ``plan=`` that sets sizes."""
-    try:
-        return "plan" in inspect.signature(compressor.encode).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def check_payload(compressor: Compressor, payload: Payload) -> None:
     """Raises ValueError unless ``payload`` is one ``compressor`` encodes.
 
@@ -368,6 +365,10 @@ def check_payload(compressor: Compressor, payload: Payload) -> None:
       ValueError: another format, a missing or extra leaf, or a leaf of
         another shape or dtype; the message names the leaf and both.
     """
+    if payload.format != compressor.name and compressor.variant is not None:
+        variant = compressor.variant(payload.format)
+        if variant is not None:
+            compressor = variant
     check_format(payload, compressor.name)
     want = {name: (tuple(s.shape), np.dtype(s.dtype))
             for name, s in compressor._layout(payload.shape, payload.dtype).items()}
@@ -379,16 +380,10 @@ def check_payload(compressor: Compressor, payload: Payload) -> None:
         extra = sorted(got.keys() - want.keys())
         raise ValueError(f"payload leaves {sorted(got)} are not those of {what}: "
                          f"{sorted(want)} (missing {missing}, unexpected {extra})")
-    planned = None
     for name, (shape, dtype) in got.items():
         want_shape, want_dtype = want[name]
         if dtype == want_dtype and shape == want_shape:
             continue
-        if dtype == want_dtype and len(shape) == len(want_shape):
-            if planned is None:
-                planned = _planned(compressor)
-            if planned:
-                continue  # a planned payload: the plan sets this leaf's size
         raise ValueError(f"payload leaf {name!r} has shape {shape} and dtype {dtype.name}, "
                          f"but {what} has {name!r} of shape {want_shape} and dtype "
                          f"{want_dtype.name}")

@@ -190,7 +190,8 @@ def test_plan_is_exact_and_with_plan_is_cached():
     assert np.all(np.asarray(p["stream"])[plan.words:] == 0)
     assert PAPER.with_plan(plan) is PAPER.with_plan(plan)
     planned = PAPER.with_plan(plan)
-    assert not planned.stochastic and planned.name == PAPER.name
+    assert not planned.stochastic
+    assert planned.name == f"{PAPER.name}/plan/b{plan.bits}/w{plan.words}"
     pp = encode(PAPER, x, plan=plan)
     # The planned payload is the unplanned one cut to the planned sizes.
     assert pp["lengths"].shape == (2**plan.bits // 8,) and pp["stream"].shape == (plan.words,)

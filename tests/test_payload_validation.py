@@ -103,19 +103,10 @@ def test_a_valid_payload_decodes_eagerly_and_under_jit(name):
     np.testing.assert_allclose(np.asarray(eager), np.asarray(jitted), rtol=1e-6, atol=1e-6)
 
 
-#: The unplanned entropy compressor also decodes the payloads of its plans,
-#: whose sizes differ from its own worst-case sizes; it checks leaf names,
-#: dtypes and ranks (see the entropy test below).
-PLANNABLE = {"entropy"}
-
-
 def damage_cases():
-    """``(compressor, leaf, damage)``; no truncated arrays for `PLANNABLE`,
-    where a shorter array is another plan's size."""
+    """``(compressor, leaf, damage)``: every leaf truncated and recast."""
     return [pytest.param(name, leaf, damage, id=f"{damage.__name__}-{name}-{leaf}")
-            for name, leaf in leaf_cases() for damage in (truncated, recast)
-            if not (damage is truncated and name in PLANNABLE
-                    and jax.eval_shape(compressor(name).encode, X, KEY)[leaf].ndim)]
+            for name, leaf in leaf_cases() for damage in (truncated, recast)]
 
 
 @pytest.mark.parametrize("name,leaf,damage", damage_cases())
@@ -152,7 +143,9 @@ def test_a_missing_or_extra_leaf_raises_naming_it(name):
 def test_another_compressors_payload_raises_naming_both_formats(name):
     c = compressor(name)
     names = list(COMPRESSORS)
-    others = [o for o in names[names.index(name) + 1:] + names if compressor(o).name != c.name]
+    # another format, not one of this compressor's own plans (entropy)
+    others = [o for o in names[names.index(name) + 1:] + names
+              if compressor(o).name.split("/plan/")[0] != c.name.split("/plan/")[0]]
     other = compressor(others[0])
     payload = payload_of(others[0])
     for decode in (c.decode, jax.jit(c.decode)):
@@ -161,7 +154,7 @@ def test_another_compressors_payload_raises_naming_both_formats(name):
         assert repr(other.name) in str(err.value) and repr(c.name) in str(err.value)
 
 
-@pytest.mark.parametrize("name", [n for n in COMPRESSORS if n not in PLANNABLE])
+@pytest.mark.parametrize("name", COMPRESSORS)
 def test_leaves_that_do_not_fit_the_payload_shape_raise(name):
     """The same leaves relabelled with a larger array shape."""
     c = compressor(name)
@@ -185,7 +178,7 @@ def test_vmapped_decode_checks_per_example_leaves(name):
     leaf = sorted(payloads.arrays)[-1]
     batched = payloads[leaf]  # per example: one element fewer, or a scalar made (1,)
     cut = batched[:, :-1] if batched.ndim > 1 else batched[:, None]
-    for damaged in [recast(batched)] + ([] if name in PLANNABLE else [cut]):
+    for damaged in (recast(batched), cut):
         with pytest.raises(ValueError, match=f"leaf '{leaf}'"):
             jax.jit(jax.vmap(c.decode))(with_leaf(payloads, leaf, damaged))
 
@@ -230,24 +223,26 @@ def test_round_trip_and_encode_decoded_pass_the_check():
         np.testing.assert_array_equal(np.asarray(x_hat), np.asarray(c.decode(payload)))
 
 
-def test_the_unplanned_entropy_compressor_decodes_planned_payloads():
-    """Planned sizes are the plan's: the unplanned compressor accepts them,
-    checking names, dtypes and ranks; the planned one checks sizes exactly."""
+def test_entropy_payloads_name_their_plan_and_are_checked_against_it():
+    """A planned payload's format names its plan, so any entropy compressor
+    of the same settings decodes it and checks the planned sizes exactly."""
     base, planned = qc.entropy(), compressor("entropy_planned")
     payload = payload_of("entropy_planned")
-    unplanned = jax.eval_shape(base.encode, X, KEY)
-    assert payload["stream"].shape != unplanned["stream"].shape
-    np.testing.assert_array_equal(np.asarray(base.decode(payload)),
-                                  np.asarray(planned.decode(payload)))
-    with pytest.raises(ValueError, match="leaf 'stream'"):
-        planned.decode(with_leaf(payload, "stream", payload["stream"][:-1]))
-    with pytest.raises(ValueError, match="leaf 'range'"):
-        base.decode(with_leaf(payload, "range", payload["range"].astype(jnp.float16)))
-    with pytest.raises(ValueError, match="leaf 'bits'"):
-        base.decode(with_leaf(payload, "bits", payload["bits"][0]))
-    other_plan = base.with_plan((planned.plan.bits, planned.plan.words + 1))
-    with pytest.raises(ValueError, match="leaf 'stream'"):
-        other_plan.decode(payload)
+    bits, words = planned.plan
+    assert payload.format == f"{base.name}/plan/b{bits}/w{words}" == planned.name
+    assert payload["stream"].shape != jax.eval_shape(base.encode, X, KEY)["stream"].shape
+    other_plan = base.with_plan((bits, words + 1))
+    for c in (base, planned, other_plan):
+        np.testing.assert_array_equal(np.asarray(c.decode(payload)),
+                                      np.asarray(planned.decode(payload)))
+    for c in (base, planned):
+        with pytest.raises(ValueError, match=re.escape(
+                f"leaf 'stream' has shape ({words - 1},)")):
+            c.decode(with_leaf(payload, "stream", payload["stream"][:-1]))
+        with pytest.raises(ValueError, match="leaf 'range'"):
+            c.decode(with_leaf(payload, "range", payload["range"].astype(jnp.float16)))
+    with pytest.raises(ValueError, match="wire format"):
+        qc.entropy(huffman=False).decode(payload)
 
 
 def test_the_expected_leaves_are_traced_once_per_shape_and_dtype(monkeypatch):
