@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
 import transforms
-from tests.helpers import block, mesh_of, stacked, stacked_on_mesh, unblock
+from tests.helpers import block, mesh_of, per_device, stacked, stacked_on_mesh, unblock
 
 N = 8
 EPS = np.finfo(np.float32).eps
@@ -286,3 +286,25 @@ def test_pmap():
     for k in new:
         np.testing.assert_allclose(new[k], np.broadcast_to(exact[k], new[k].shape),
                                    rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("shapes, match", [
+    ({"w": (8,), "b": (3,), "z": (2,)}, r"not the tree of params.*\['z'\]"),  # extra leaf
+    ({"w": (8,), "c": (3,)}, r"not the tree of params.*\['c'\] in the update, \['b'\]"),
+    ({"w": (8,), "b": (4,)}, r"update of \['b'\] has shape \(4,\), but its params have shape "
+                             r"\(3,\)"),
+])
+def test_updates_on_another_tree_than_params_name_the_leaf(shapes, match):
+    """Updates whose tree or leaf shapes differ from params raise at trace time."""
+    tx = transforms.compressed_model_averaging("d", every_k=1, key=jax.random.key(0),
+                                               compressor=IDENTITY, min_size=0)
+    split = NamedSharding(mesh_of(2), P("d"))
+
+    def on_2(shape, dtype=jnp.float32):  # abstract, one replica per device: nothing compiles
+        return jax.ShapeDtypeStruct((2,) + shape, dtype, sharding=split)
+
+    state = jax.tree.map(lambda a: on_2(a.shape, a.dtype), jax.eval_shape(tx.init, None))
+    params = {"w": on_2((8,)), "b": on_2((3,))}
+    run = per_device(lambda u, s, p: tx.update(u, s, p)[0], 2)
+    with pytest.raises(ValueError, match=match):
+        jax.eval_shape(run.mapped, {k: on_2(s) for k, s in shapes.items()}, state, params)

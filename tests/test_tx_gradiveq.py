@@ -278,3 +278,30 @@ def test_invalid_settings_name_the_argument(kw, name):
     settings.update(kw)
     with pytest.raises(ValueError, match=name):
         transforms.gradiveq("d", **settings)
+
+
+@pytest.mark.parametrize("kwargs, shapes, match", [
+    ({}, {"w": (24, K), "v": (13, 7), "b": (K,), "z": (4,)}, r"not the one init saw.*\['z'\]"),
+    ({}, {"w": (24, K), "b": (K,)}, r"not the one init saw.*\['v'\]"),       # missing leaf
+    ({}, {"w": (24, 11), "v": (13, 7), "b": (K,)},
+     r"residual of \['w'\] has shape \(1, 24, 10\), expected \(24, 11\)"),
+    (dict(error_feedback=False), {"w": (1, K), "v": (13, 7), "b": (K,)},
+     r"samples of \['w'\] has shape \(3, 20\), expected \(3, 10\)"),
+    ({}, {"w": (24, K), "v": (13, 7), "b": (K, K)},
+     r"leaf \['b'\] of shape \(10, 10\) is compressed, but init saw it uncompressed"),
+])
+def test_update_on_another_tree_names_the_leaf(kwargs, shapes, match):
+    """An update on a tree other than init's raises at trace time, naming the leaf."""
+    tx = transforms.gradiveq("d", key=jax.random.key(0), slice_size=K, rank=2, sample_steps=3,
+                             compressed_steps=3, sample_slices=2, sample_compressor=None,
+                             **kwargs)
+    template = {"w": jnp.zeros((24, K)), "v": jnp.zeros((13, 7)), "b": jnp.zeros(K)}
+    abstract = jax.eval_shape(tx.init, template)  # nothing compiles: all abstract
+    mesh = mesh_of(2)
+    state = jax.tree.map(lambda a, spec: jax.ShapeDtypeStruct(
+        a.shape if spec == P() else (2,) + a.shape, a.dtype, sharding=NamedSharding(mesh, spec)),
+        abstract, transforms.state_specs(abstract, "d"))
+    grads = {k: jax.ShapeDtypeStruct((2,) + s, jnp.float32, sharding=NamedSharding(mesh, P("d")))
+             for k, s in shapes.items()}
+    with pytest.raises(ValueError, match=match):
+        jax.eval_shape(sharded_update(tx, 2, state).mapped, grads, state)

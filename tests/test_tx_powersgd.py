@@ -276,3 +276,26 @@ def test_invalid_settings_raise(kwargs):
     name = next((k for k in kwargs if k != "rank"), "rank")
     with pytest.raises(ValueError, match=name):
         transforms.powersgd("d", key=jax.random.key(0), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, shapes, match", [
+    ({}, {**SHAPES, "z": (4,)}, r"not the one init saw.*\['z'\]"),         # extra leaf
+    ({}, {"a": (6, 10), "k": (3, 2, 2, 5)}, r"not the one init saw.*\['c'\]"),  # missing leaf
+    ({}, {**SHAPES, "a": (6, 11)},
+     r"local error of \['a'\] has shape \(1, 6, 10\), expected \(6, 11\)"),
+    (dict(error_feedback=False), {**SHAPES, "a": (6, 11)},
+     r"Q memory of \['a'\] has shape \(10, 1\), expected \(11, 1\)"),
+    ({}, {**SHAPES, "v": (8, 16)}, r"leaf \['v'\] of shape \(8, 16\) is compressed, but init"),
+])
+def test_update_on_another_tree_names_the_leaf(kwargs, shapes, match):
+    """An update on a tree other than init's raises at trace time, naming the leaf."""
+    tx = transforms.powersgd("d", rank=1, key=jax.random.key(0), start_iter=0, **kwargs)
+    abstract = jax.eval_shape(tx.init, _template())  # nothing compiles: all abstract
+    mesh = mesh_of(2)
+    state = jax.tree.map(lambda a, spec: jax.ShapeDtypeStruct(
+        a.shape if spec == P() else (2,) + a.shape, a.dtype, sharding=NamedSharding(mesh, spec)),
+        abstract, transforms.state_specs(abstract, "d"))
+    grads = {k: jax.ShapeDtypeStruct((2,) + s, jnp.float32, sharding=NamedSharding(mesh, P("d")))
+             for k, s in shapes.items()}
+    with pytest.raises(ValueError, match=match):
+        jax.eval_shape(sharded_update(tx, 2, state).mapped, grads, state)

@@ -13,7 +13,7 @@ from jax import lax
 
 import qcollect as qc
 from transforms._policy import CompressorSpec, leaf_compressors
-from transforms._sharding import to_varying
+from transforms._sharding import leaves_like, to_varying
 
 __all__ = ["ModelAveragingState", "compressed_model_averaging"]
 
@@ -135,7 +135,9 @@ def compressed_model_averaging(axis_name, *, every_k: int, key: jax.Array,
 
     Returns:
       An ``optax.GradientTransformation``; ``update(updates, state, params)``
-      raises ValueError without ``params``.
+      raises ValueError without ``params``, or (at trace time) when
+      ``updates`` and ``params`` are not one tree, naming the first differing
+      leaf path, or a leaf's shapes differ, naming it and both shapes.
 
     References:
       Oland and Raj, "Reducing Communication Overhead in Distributed Learning
@@ -171,7 +173,16 @@ def compressed_model_averaging(axis_name, *, every_k: int, key: jax.Array,
             raise ValueError("compressed_model_averaging needs params: call "
                              "update(updates, state, params)")
         leaves, treedef = jax.tree.flatten(updates)
-        weights = treedef.flatten_up_to(params)
+        weights = leaves_like(updates, params, "compressed_model_averaging",
+                              against="the tree of params", where="the params",
+                              hint="Pass update the params these updates are for.")
+        for (path, u), w in zip(jax.tree_util.tree_leaves_with_path(updates), weights,
+                                strict=True):
+            if jnp.shape(u) != jnp.shape(w):
+                raise ValueError(f"the update of {jax.tree_util.keystr(path) or 'the root'} "
+                                 f"has shape {tuple(jnp.shape(u))}, but its params have shape "
+                                 f"{tuple(jnp.shape(w))}: updates and params must be one tree "
+                                 f"of equal shapes")
         comps = leaf_compressors(params, compressor, min_size=min_size)
         step_key = jax.random.fold_in(state.key, state.count)
 

@@ -22,6 +22,7 @@ from transforms._sharding import (
     check_local_gradients,
     device_block,
     keep_if_finite,
+    leaves_like,
     mesh_axes,
 )
 
@@ -243,6 +244,12 @@ def gradiveq(axis_name, *, key: jax.Array, slice_size: int | Callable,
     Returns:
       An ``optax.GradientTransformation``; its state is a `GradiVeQState`.
 
+    Raises:
+      ValueError: a setting out of its range (naming it). ``update`` raises
+        ValueError (at trace time) on gradients that are not the tree ``init``
+        saw, naming the first differing leaf path, or whose leaf has another
+        shape, naming it and both shapes.
+
     References:
       GradiVeQ, section 2 (eq. 2-5, Algorithm 1) and section 3 ("System
       Overview", eq. 6, eq. 7, Fig. 6).
@@ -333,6 +340,29 @@ def gradiveq(axis_name, *, key: jax.Array, slice_size: int | Callable,
             cycle_start=jnp.full([], warmup_steps, jnp.int32),
         )
 
+    def check_entries(p, leaf, entries, path):
+        """Raises unless ``init`` of a leaf of this shape made these state entries."""
+        shape = tuple(np.shape(leaf))
+        want = {} if p is None else {
+            "residual": shape, "samples": (sample_steps, p.sampled * p.slice_size),
+            "basis": (p.slice_size, p.columns), "mean": (p.slice_size,), "rank": ()}
+        if not error_feedback:
+            want.pop("residual", None)
+        for name, entry in entries.items():
+            if isinstance(entry, optax.MaskedNode) == (name in want):
+                c, res = p is not None, entries["residual"]
+                was = ("" if isinstance(res, optax.MaskedNode)
+                       else f" (its residual has shape {tuple(jnp.shape(res))})")
+                raise ValueError(f"the leaf {path} of shape {shape} is {'' if c else 'not '}"
+                                 f"compressed, but init saw it {'un' if c else ''}compressed"
+                                 f"{was}: the update's leaf has another shape than the one "
+                                 f"init saw")
+            if name in want and tuple(jnp.shape(entry)) != want[name]:
+                raise ValueError(f"the GradiVeQ {name} of {path} has shape "
+                                 f"{tuple(jnp.shape(entry))}, expected {want[name]} for the "
+                                 f"leaf of shape {shape}: the update's leaf has another shape "
+                                 f"than the one init saw")
+
     def fit(samples, valid, plans):
         out_basis, out_mean, out_rank = [], [], []
         for buf, p in zip(samples, plans, strict=True):
@@ -353,12 +383,16 @@ def gradiveq(axis_name, *, key: jax.Array, slice_size: int | Callable,
         leaves, treedef = jax.tree.flatten(grads)
         plans = plan(grads)
         n = int(lax.axis_size(axis_name))
-        flat = {name: treedef.flatten_up_to(getattr(state, name))
+        flat = {name: leaves_like(grads, getattr(state, name), f"GradiVeQ {name}")
                 for name in ("residual", "samples", "basis", "mean", "rank")}
+        paths = [jax.tree_util.keystr(p) or "the root"
+                 for p, _ in jax.tree_util.tree_flatten_with_path(grads)[0]]
         stored = flat["residual"]
-        flat["residual"] = [r if isinstance(r, optax.MaskedNode)
-                            else device_block(r, g, axis_name, "the error-feedback residual")
-                            for r, g in zip(stored, leaves, strict=True)]
+        flat["residual"] = [r if isinstance(r, optax.MaskedNode) else device_block(
+                                r, g, axis_name, f"the error-feedback residual of {path}")
+                            for r, g, path in zip(stored, leaves, paths, strict=True)]
+        for i, (p, g, path) in enumerate(zip(plans, leaves, paths, strict=True)):
+            check_entries(p, g, {name: vals[i] for name, vals in flat.items()}, path)
         idx = [i for i, p in enumerate(plans) if p is not None]
         cplans = [plans[i] for i in idx]
         count = state.count

@@ -30,6 +30,7 @@ from transforms._sharding import (
     check_local_gradients,
     device_block,
     keep_if_finite,
+    leaves_like,
 )
 
 
@@ -146,7 +147,9 @@ def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = 1_000,
     Raises:
       ValueError: ``rank < 1``, ``start_iter < 0``,
         ``min_compression_rate <= 0`` or ``matrix_view`` not ``"last"`` or
-        ``"first"``.
+        ``"first"``. ``update`` raises ValueError (at trace time) on gradients
+        that are not the tree ``init`` saw, naming the first differing leaf
+        path, or whose leaf has another shape, naming it and both shapes.
 
     References:
       T. Vogels, S. P. Karimireddy, M. Jaggi. PowerSGD: Practical Low-Rank
@@ -194,6 +197,26 @@ def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = 1_000,
         return PowerSGDState(treedef.unflatten(res), treedef.unflatten(qs),
                              jnp.zeros([], jnp.int32), key)
 
+    def check_entries(leaf, residual, q, path):
+        """Raises unless ``init`` of a leaf of this shape made these (stored) entries."""
+        shape = tuple(jnp.shape(leaf))
+        c = compressed(leaf)
+        kept = [not isinstance(e, optax.MaskedNode) for e in (residual, q)]
+        if kept != [c and error_feedback, c and warm_start]:
+            was = (f" (its local error has shape {tuple(jnp.shape(residual))})"
+                   if kept[0] else "")
+            raise ValueError(f"the leaf {path} of shape {shape} is {'' if c else 'not '}"
+                             f"compressed, but init saw it {'un' if c else ''}compressed{was}: "
+                             f"the update's leaf has another shape than the one init saw")
+        if kept[1]:
+            _, m = qc.powersgd_matrix_shape(shape, view=matrix_view)
+            expected = (m, qc.powersgd_rank(shape, rank, view=matrix_view))
+            if tuple(jnp.shape(q)) != expected:
+                raise ValueError(f"the PowerSGD Q memory of {path} has shape "
+                                 f"{tuple(jnp.shape(q))}, expected {expected} for the leaf of "
+                                 f"shape {shape}: the update's leaf has another shape than the "
+                                 f"one init saw")
+
     def reduce(x):
         return lax.pmean(x, axis_name) if mean else lax.psum(x, axis_name)
 
@@ -240,12 +263,16 @@ def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = 1_000,
         del params
         check_local_gradients(grads, axis_name)
         leaves, treedef = jax.tree.flatten(grads)
-        stored = treedef.flatten_up_to(state.residuals)
-        residuals = [None if isinstance(r, optax.MaskedNode)
-                     else device_block(r, g, axis_name, "the PowerSGD local error")
-                     for r, g in zip(stored, leaves, strict=True)]
-        qs = [None if isinstance(q, optax.MaskedNode) else q
-              for q in treedef.flatten_up_to(state.q)]
+        stored = leaves_like(grads, state.residuals, "PowerSGD local errors")
+        stored_q = leaves_like(grads, state.q, "PowerSGD Q memory")
+        paths = [jax.tree_util.keystr(p) or "the root"
+                 for p, _ in jax.tree_util.tree_flatten_with_path(grads)[0]]
+        residuals, qs = [], []
+        for g, r, q, path in zip(leaves, stored, stored_q, paths, strict=True):
+            residuals.append(None if isinstance(r, optax.MaskedNode) else device_block(
+                r, g, axis_name, f"the PowerSGD local error of {path}"))
+            check_entries(g, r, q, path)
+            qs.append(None if isinstance(q, optax.MaskedNode) else q)
         args = (leaves, residuals, qs, state.count, state.key)
         if start_iter == 0:
             out, new_res, new_q = power(*args)

@@ -153,7 +153,8 @@ def device_block(stored, like, axis_name, what: str):
     """
     size = int(np.prod(jnp.shape(like), dtype=np.int64))
     stored_size = int(np.prod(jnp.shape(stored), dtype=np.int64))
-    if stored_size != size:
+    shape = tuple(jnp.shape(like))
+    if stored_size != size or tuple(jnp.shape(stored)) not in (shape, (1,) + shape):
         n = int(lax.axis_size(axis_name))
         if size and stored_size % size == 0 and stored_size > size:
             saved = n * (stored_size // size)
@@ -167,7 +168,9 @@ def device_block(stored, like, axis_name, what: str):
     return jnp.reshape(stored, jnp.shape(like))
 
 
-def leaves_like(tree, stored, what: str) -> list:
+def leaves_like(tree, stored, what: str, *, against: str = "the one init saw",
+                where: str = "the state",
+                hint: str = "Initialise the state with the same parameter tree.") -> list:
     """``stored``'s entries at the leaves of ``tree`` (``flatten_up_to``).
 
     Raises:
@@ -187,10 +190,9 @@ def leaves_like(tree, stored, what: str) -> list:
                  min(len(got), len(saw)))
     here = got[first] if first < len(got) else "(no more leaves)"
     there = saw[first] if first < len(saw) else "(no more leaves)"
-    raise ValueError(f"the update's tree is not the one init saw ({what}): first difference "
+    raise ValueError(f"the update's tree is not {against} ({what}): first difference "
                      f"at leaf {first}: {here or 'the root'} in the update, {there or 'the root'} "
-                     f"in the state ({len(got)} leaves against {len(saw)}). Initialise the "
-                     f"state with the same parameter tree.")
+                     f"in {where} ({len(got)} leaves against {len(saw)}). {hint}")
 
 
 def as_block(value, stored):
