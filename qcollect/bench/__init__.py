@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m qcollect.bench {quantizers,collectives,network}``.
+"""Benchmarks: ``python -m qcollect.bench {quantizers,collectives,network,structure,compile}``.
 
 Benchmarks are scripts, not tests: they print measured tables (medians of
 interleaved repetitions, so slow drifts of a shared machine hit every column

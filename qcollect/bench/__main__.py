@@ -7,6 +7,7 @@ BENCHMARKS = {
     "collectives": "qcollect.bench.collectives",
     "network": "qcollect.bench.network",
     "structure": "qcollect.bench.structure",
+    "compile": "qcollect.bench.compile",
 }
 
 
