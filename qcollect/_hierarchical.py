@@ -84,8 +84,12 @@ def reduce_hierarchical(chunks: Chunks, axes, compressor, valid, key, algorithm,
                                                            chunks.columns)
     value, contributed, owner_error = reduce_segment(
         Stacked(share, chunks.columns), outer, codec, key, algorithm, owner_residual)
+    # What this device's share lost to compression, taken off its own grid
+    # row only (the other rows are contributed as they are).
     lost = share.astype(jnp.float32) - contributed.astype(jnp.float32)
-    contributed = (stacked.astype(jnp.float32) - placed(lost, jnp.float32)).astype(stacked.dtype)
+    row = mine(stacked).astype(jnp.float32) - lost
+    contributed = lax.dynamic_update_slice_in_dim(stacked, row.astype(stacked.dtype),
+                                                  me * nodes, axis=0)
     if owner_error is not None:
         owner_error = placed(owner_error, jnp.float32)
     return all_gather_invariant(value, inner), contributed, owner_error
