@@ -44,7 +44,7 @@ from qcollect._ring import (
     ring_reduce_scatter,
 )
 from qcollect._threshold import threshold
-from qcollect._wire import WireOp, wire_bytes, wire_bytes_by_axis, wire_report
+from qcollect._wire import WireOp, bytes_along, wire_bytes, wire_bytes_by_axis, wire_report
 
 __all__ = [
     "ALGORITHMS",
@@ -58,6 +58,7 @@ __all__ = [
     "QSGD_BUCKET_SIZES",
     "WireOp",
     "adaptive",
+    "bytes_along",
     "cast",
     "compressed_all_reduce",
     "entropy",

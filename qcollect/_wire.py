@@ -372,3 +372,24 @@ def wire_bytes_by_axis(fn, *args, mesh=None, branches: str = "max", **kwargs) ->
         key = axes[0] if len(axes) == 1 else axes
         totals[key] = totals.get(key, 0.0) + sent
     return {k: int(round(v)) for k, v in totals.items() if round(v)}
+
+
+def bytes_along(split: dict, axis: str) -> int:
+    """Bytes of a `wire_bytes_by_axis` result sent by collectives that run over
+    ``axis``, alone or with other axes (what crosses between nodes, for the
+    ``"node"`` axis). Keys may be names, tuples of names, or names joined by
+    commas (the examples' JSON).
+
+    Example:
+      >>> import qcollect as qc
+      >>> qc.bytes_along({"local": 6144, "node": 4096, ("node", "local"): 100}, "node")
+      4196
+    """
+
+    def axes(key) -> tuple:
+        if isinstance(key, tuple):
+            return key
+        return tuple(key.split(","))
+
+    return sum(int(count) for key, count in split.items() if axis in axes(key))
+

@@ -126,7 +126,10 @@ def test_compressed_all_reduce_across_nodes_counts_under_node(compressor):
         v, "node", compressor, jax.random.key(0)).value)
     alone = _wire(lambda v: qc.compressed_all_reduce(v, "d", compressor, jax.random.key(0)).value,
                   2, jnp.zeros((2, 4096)))
-    assert qc.wire_bytes_by_axis(fn, x) == {"node": alone}
+    split = qc.wire_bytes_by_axis(fn, x)
+    assert split == {"node": alone}
+    assert qc.bytes_along(split, "node") == alone and qc.bytes_along(split, "local") == 0
+    assert qc.bytes_along({"node,local": 3, "local": 5, ("node", "local"): 7}, "node") == 10
 
 
 def test_bytes_by_axis_on_one_axis_and_without_a_mesh():

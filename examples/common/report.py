@@ -8,6 +8,8 @@ import pathlib
 
 from matplotlib.figure import Figure
 
+import qcollect as qc
+
 BASELINE = "none"
 
 
@@ -24,7 +26,7 @@ def across_nodes(result) -> int | None:
     split = result.wire_bytes_by_axis
     if not any("node" in axes.split(",") for axes in split):
         return None
-    return sum(count for axes, count in split.items() if "node" in axes.split(","))
+    return qc.bytes_along(split, "node")
 
 
 def table(results, baseline_bytes: int | None) -> str:

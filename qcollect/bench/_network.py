@@ -147,9 +147,7 @@ def process_link_bytes(fn, x, mesh) -> int:
 def across_nodes(fn, x, grid) -> int:
     """Bytes per device per call that cross between nodes (collectives over any
     group of devices in more than one node; `qcollect.wire_bytes_by_axis`)."""
-    split = qc.wire_bytes_by_axis(fn, x, mesh=grid)
-    return sum(count for axes, count in split.items()
-               if NODE_AXES[0] in (axes if isinstance(axes, tuple) else (axes,)))
+    return qc.bytes_along(qc.wire_bytes_by_axis(fn, x, mesh=grid), NODE_AXES[0])
 
 
 def _values(mib: float) -> int:
