@@ -32,10 +32,29 @@ import numpy as np
 
 from qcollect._config import check_choice, check_floating_input, check_int
 from qcollect._payload import Compressor, Payload, check_format, settings
+from qcollect._scaling import (
+    OVERFLOW_EXPONENT,
+    binary_exponent,
+    downscale_exponent,
+    rescale,
+    unless_overflow,
+    unscale,
+)
 
 __all__ = ["PCAFit", "pca", "pca_fit"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _max_exponent(a: jax.Array) -> jax.Array:
+    """``E`` with ``max |a| < 2**E`` (`binary_exponent`)."""
+    return binary_exponent(jnp.max(jnp.abs(a)))
+
+
+def _bit_length(n: int) -> int:
+    """``b`` with ``n < 2**b``: a sum of ``n`` terms below ``2**a`` stays below
+    ``2**(a + b)``."""
+    return int(n).bit_length()
 
 
 class PCAFit(NamedTuple):
@@ -90,8 +109,35 @@ def _sample_slices(samples: jax.Array, slice_size: int, slices: str) -> jax.Arra
 
 @functools.partial(jax.jit, static_argnames=("slice_size", "slices"))
 def _spectrum(samples, slice_size, slices):
-    """Mean, eigenvectors (decreasing eigenvalue) and explained-energy curve."""
+    """Mean, eigenvectors (decreasing eigenvalue) and explained-energy curve.
+
+    Squares of values above about ``1e19`` overflow float32 (the covariance
+    of samples near the float32 maximum was inf and its eigenvectors NaN).
+    The eigenvectors and the energy curve do not change when the samples are
+    scaled, so samples that could push the covariance or its trace past
+    ``2**OVERFLOW_EXPONENT`` are first scaled down by a power of two, undone
+    exactly on the mean; the eigensolver scales its input itself (LAPACK's
+    ``syevd``). Other samples take the unscaled branch of a `lax.cond`
+    (bit-identical results; a fit is rare, so the branch costs little).
+    """
     rows = _sample_slices(samples, slice_size, slices)
+    # |centred| < 2**(E + 1); sums of R products (the covariance) and of K
+    # eigenvalues (the trace) stay below 2**(2 (E + 1) + max(bits(R), bits(K))).
+    spread = 2 + max(_bit_length(rows.shape[0]), _bit_length(slice_size))
+    e = jnp.clip((OVERFLOW_EXPONENT - spread) // 2 - _max_exponent(rows), -126, 0)
+
+    def scaled(samples, e):
+        mean, eigvecs, energy = _eig(rescale(_sample_slices(samples, slice_size, slices), e))
+        return rescale(mean, -e), eigvecs, energy
+
+    def plain(samples, e):
+        del e
+        return _eig(_sample_slices(samples, slice_size, slices))
+
+    return jax.lax.cond(e == 0, plain, scaled, samples, e)
+
+
+def _eig(rows):
     mean = jnp.mean(rows, axis=0)
     centred = rows - mean
     cov = jnp.matmul(centred.T, centred, precision=_HIGHEST) / rows.shape[0]
@@ -199,6 +245,45 @@ def pca_fit(samples, *, slice_size: int, loss_threshold: float | None = None,
     return PCAFit(eigvecs[:, :max_rank] * keep, mean, d, energy)
 
 
+def _scaled_project(view, u, mu, num_workers):
+    """``(view - mu / N) @ u`` with slices that could overflow scaled down first.
+
+    Per slice, ``|coeff| <= 2 max(|g|, |mu|) K max|U|``: where that could
+    pass ``2**OVERFLOW_EXPONENT`` the slice is scaled by a power of two.
+    """
+    top = jnp.max(jnp.abs(view), axis=1)
+    if mu is not None:
+        top = jnp.maximum(top, jnp.max(jnp.abs(mu)))
+    e = downscale_exponent(binary_exponent(top) + 1 + _max_exponent(u)
+                           + _bit_length(view.shape[1]))[:, None]
+    view = rescale(view, e)
+    if mu is not None:
+        view = view - rescale(mu * (1.0 / num_workers), e)
+    return unscale(jnp.matmul(view, u, precision=_HIGHEST), e)
+
+
+def _reconstruct_exponents(coeffs, weight, u, mu, num_workers):
+    """Per slice, the power of two that keeps ``coeffs @ u^T + w mu / N`` below
+    ``2**OVERFLOW_EXPONENT`` (0 for most): ``|U g'| <= d max|g'| max|U|``,
+    plus ``|w mu / N|``."""
+    bound = (binary_exponent(jnp.max(jnp.abs(coeffs), axis=1)) + _max_exponent(u)
+             + _bit_length(u.shape[1]))
+    if mu is not None:
+        weight = weight * (1.0 / num_workers)
+        bound = jnp.maximum(bound, binary_exponent(jnp.abs(weight)) + _max_exponent(mu)) + 1
+    return downscale_exponent(bound)[:, None]
+
+
+def _scaled_reconstruct(coeffs, weight, u, mu, num_workers):
+    """``coeffs @ u^T + w mu / N`` with slices that could overflow scaled down
+    first (`_reconstruct_exponents`)."""
+    e = _reconstruct_exponents(coeffs, weight, u, mu, num_workers)
+    view = jnp.matmul(rescale(coeffs, e), u.T, precision=_HIGHEST)
+    if mu is not None:
+        view = view + (weight * (1.0 / num_workers)) * rescale(mu, e)
+    return unscale(view, e)
+
+
 def pca(basis, mean=None, *, num_workers: int) -> Compressor:
     """GradiVeQ's linear compressor over slices of ``K`` adjacent values.
 
@@ -276,6 +361,17 @@ def pca(basis, mean=None, *, num_workers: int) -> Compressor:
     mu = None if mean is None else jnp.asarray(mean, jnp.float32)
     name = f"pca/K{slice_size}/d{dim}" + ("" if mu is None else f"/N{num_workers}")
 
+    def project(view):
+        if mu is not None:
+            view = view - mu * (1.0 / num_workers)
+        return jnp.matmul(view, u, precision=_HIGHEST)
+
+    def reconstruct(coeffs, weight):
+        view = jnp.matmul(coeffs, u.T, precision=_HIGHEST)
+        if mu is not None:
+            view = view + (weight * (1.0 / num_workers)) * mu
+        return view
+
     def encode(x, key=None):
         x = jnp.asarray(x)
         check_floating_input(x)
@@ -284,9 +380,8 @@ def pca(basis, mean=None, *, num_workers: int) -> Compressor:
         arrays = {}
         if full:
             view = flat[: full * slice_size].reshape(full, slice_size)
-            if mu is not None:
-                view = view - mu * (1.0 / num_workers)
-            arrays["coeffs"] = jnp.matmul(view, u, precision=_HIGHEST)
+            rescaled = functools.partial(_scaled_project, num_workers=num_workers)
+            arrays["coeffs"] = unless_overflow(project(view), rescaled, view, u, mu)
         if flat.shape[0] > full * slice_size:
             arrays["tail"] = flat[full * slice_size:]
         if mu is not None:
@@ -299,9 +394,14 @@ def pca(basis, mean=None, *, num_workers: int) -> Compressor:
         full = size // slice_size
         parts = []
         if full:
-            view = jnp.matmul(payload["coeffs"], u.T, precision=_HIGHEST)
-            if mu is not None:
-                view = view + (payload["weight"] * (1.0 / num_workers)) * mu
+            coeffs, weight = payload["coeffs"], payload.arrays.get("weight")
+            # Checked on the bound from the (small) coefficients, not on the
+            # full-size result.
+            operands = (coeffs, weight, u, mu)
+            overflowed = jnp.any(_reconstruct_exponents(*operands, num_workers) != 0)
+            rescaled = functools.partial(_scaled_reconstruct, num_workers=num_workers)
+            view = unless_overflow(reconstruct(coeffs, weight), rescaled, *operands,
+                                   overflowed=overflowed)
             parts.append(view.reshape(-1))
         if size > full * slice_size:
             parts.append(payload["tail"])

@@ -26,6 +26,7 @@ Vectors ``(n,)`` are ``(n, 1)`` and scalars ``(1, 1)`` in both views.
 With a rank ``r`` and a ``Q`` of shape ``(m, r)`` (random at first, then
 reused: warm start) one step of data-parallel PowerSGD on ``N`` workers is::
 
+    Q   = powersgd_normalize(Q)      # power-of-two column scales: P keeps M's scale
     P_i = M_i Q                      # powersgd_p          (n, r) per worker
     P   = sum_i P_i                  # all-reduce #1, a compressed-domain sum
     P   = orthogonalize(P)           # Gram-Schmidt, identical on all workers
@@ -67,6 +68,13 @@ import jax.numpy as jnp
 from qcollect._config import check_choice, check_float, check_floating_input, check_int
 from qcollect._groups import matrix_view
 from qcollect._payload import Compressor, Payload, check_format, settings
+from qcollect._scaling import (
+    OVERFLOW_EXPONENT,
+    binary_exponent,
+    rescale,
+    unless_overflow,
+    unscale,
+)
 
 __all__ = [
     "orthogonalize",
@@ -171,6 +179,46 @@ def powersgd_should_compress(shape, rank: int, *, min_compression_rate: float = 
     return (n + m) * r * rate < n * m
 
 
+def powersgd_normalize(q) -> jax.Array:
+    """``Q`` with each column scaled by a power of two to a largest entry in [0.5, 1).
+
+    Only the direction of each column of ``P = M Q`` matters (it is
+    orthogonalized next, and Gram-Schmidt ignores positive column scales), so
+    a warm-start ``Q``, which has the gradients' scale, can be normalized
+    first: ``M Q`` then has ``M``'s scale, not its square, and a sum of ``N``
+    workers' ``P_i`` stays finite up to gradients near ``F32_MAX / (N m)``.
+    The scales are exact, and the same on every worker for a replicated
+    ``Q``. Zero columns stay zero and non-finite ones non-finite.
+
+    Args:
+      q: floating array ``(..., m, r)``.
+
+    Returns:
+      float32 ``(..., m, r)``.
+
+    Example:
+      >>> import jax.numpy as jnp, qcollect as qc
+      >>> qc.powersgd_normalize(jnp.array([[3e30, 0.0], [-1e30, 0.0]]))
+      Array([[ 0.59164566,  0.        ],
+             [-0.19721523,  0.        ]], dtype=float32)
+    """
+    q = jnp.asarray(q)
+    check_floating_input(q)
+    if q.ndim < 2:
+        raise ValueError(f"q must have shape (..., m, r), got {q.shape}")
+    return _normalize_columns(q)
+
+
+@jax.jit
+def _normalize_columns(q):
+    q = q.astype(jnp.float32)
+    top = jnp.max(jnp.abs(q), axis=-2, keepdims=True, initial=0.0)
+    e = jnp.where(top > 0, binary_exponent(top), 0)
+    # Two exact steps: 2**-e alone is not a float32 for e = -126 .. -128 or 127, 128.
+    half = e // 2
+    return rescale(rescale(q, -half), half - e)
+
+
 def orthogonalize(p, epsilon: float = 1e-8) -> jax.Array:
     """Orthonormalizes the columns of ``p`` by Gram-Schmidt, as PyTorch's hook.
 
@@ -208,22 +256,103 @@ def orthogonalize(p, epsilon: float = 1e-8) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames="epsilon")
 def _gram_schmidt(p, epsilon):
-    rest = p.astype(jnp.float32)
+    """Gram-Schmidt on the last two axes, finite for finite ``p`` of any size.
+
+    Each output column depends only on the direction of its input column.
+    Squares of values above about ``1e19`` overflow float32 and turned such a
+    column into zeros (and later ones into NaN); zeros are finite, so the
+    overflow is told from the input: where a matrix has entries at or above
+    ``2**t``, its columns are scaled by powers of two to below ``2**t``
+    (column norms stay below ``sqrt(n) 2**t`` and sums of squares below
+    ``2**OVERFLOW_EXPONENT``) and the loop runs again (`unless_overflow`).
+    A scaled column's norm is at least ``2**(t - 2)``, so epsilon is lost in
+    its rounding as it is for the unscaled one: the same result.
+    """
+    p32 = p.astype(jnp.float32)
+    plain = _gram_schmidt_loop(p32, epsilon)
+    if p.shape[-1] == 0:
+        return plain.astype(p.dtype)
+    t = (OVERFLOW_EXPONENT - int(p.shape[-2]).bit_length()) // 2
+    top = jnp.max(jnp.abs(p32), axis=-2, keepdims=True, initial=0.0)
+    e = jnp.minimum(t - binary_exponent(top), 0)
+    out = unless_overflow(plain, lambda p32, e: _gram_schmidt_loop(rescale(p32, e), epsilon),
+                          p32, e, overflowed=jnp.any(e != 0))
+    return out.astype(p.dtype)
+
+
+def _gram_schmidt_loop(rest, epsilon):
     cols = []
-    for _ in range(p.shape[-1]):
+    for _ in range(rest.shape[-1]):
         col = rest[..., :, :1]
         col = col / (jnp.sqrt(jnp.sum(col * col, axis=-2, keepdims=True)) + epsilon)
         cols.append(col)
         rest = rest[..., :, 1:]
         rest = rest - jnp.sum(col * rest, axis=-2, keepdims=True) * col
     if not cols:
-        return p
-    return jnp.concatenate(cols, axis=-1).astype(p.dtype)
+        return rest
+    return jnp.concatenate(cols, axis=-1)
 
 
-def _matmul(a, b):
-    return jnp.matmul(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32),
-                      precision=_HIGHEST)
+def _matmul(a, b, transpose_a=False, transpose_b=False):
+    """``a @ b`` in float32 (``a^T`` or ``b^T`` if asked), finite for finite
+    operands over the whole float32 range.
+
+    A product of two values near ``2**100`` overflows float32 (and a warm-start
+    ``Q`` has the gradients' scale, so ``M Q`` squares it). Where the product
+    overflows (`unless_overflow`), it is computed again from operands scaled
+    by exact powers of two and scaled back. A product smaller than its
+    operands (``M Q``, ``P^T M``) is checked on its result; a larger one
+    (``P Q^T``) on the operands' exponents, which bound it, so the check
+    reads the small arrays only. The operands enter the rescaled branch
+    untransposed: a transpose there would be materialised.
+    """
+    a = jnp.asarray(a, jnp.float32)
+    b = jnp.asarray(b, jnp.float32)
+    plain = jnp.matmul(_maybe_transpose(a, transpose_a), _maybe_transpose(b, transpose_b),
+                       precision=_HIGHEST)
+    overflowed = None
+    if plain.size > a.size + b.size:
+        overflowed = jnp.any(_excess(a, b, transpose_a) > 0)
+    rescaled = functools.partial(_scaled_matmul, transpose_a=transpose_a,
+                                 transpose_b=transpose_b)
+    return unless_overflow(plain, rescaled, a, b, overflowed=overflowed)
+
+
+def _maybe_transpose(x, transpose):
+    return jnp.swapaxes(x, -1, -2) if transpose else x
+
+
+def _exponents(a, b):
+    """Per matrix, ``E`` with ``max |a| < 2**E`` and the same for ``b``."""
+    ea = binary_exponent(jnp.max(jnp.abs(a), axis=(-2, -1), keepdims=True, initial=0.0))
+    eb = binary_exponent(jnp.max(jnp.abs(b), axis=(-2, -1), keepdims=True, initial=0.0))
+    return ea, eb
+
+
+def _excess(a, b, transpose_a):
+    """Per matrix, how many binary orders the partial sums of ``a @ b`` could
+    pass ``2**OVERFLOW_EXPONENT`` by: ``e_a + e_b + bits(k)`` bounds them."""
+    ea, eb = _exponents(a, b)
+    length = a.shape[-2] if transpose_a else a.shape[-1]
+    return jnp.maximum(ea + eb + int(length).bit_length() - OVERFLOW_EXPONENT, 0)
+
+
+def _scaled_matmul(a, b, transpose_a, transpose_b):
+    """``a @ b`` with every partial sum below ``2**OVERFLOW_EXPONENT``.
+
+    The `_excess` is taken off the larger operand first, then split, by
+    exact powers of two, and the product scaled back (saturating at the
+    float32 maximum where the true entry is larger).
+    """
+    ea, eb = _exponents(a, b)
+    excess = _excess(a, b, transpose_a)
+    first = jnp.minimum(excess, jnp.abs(ea - eb))
+    big = first + (excess - first + 1) // 2       # at most 81: exact_pow2 stays exact
+    ra = jnp.where(ea >= eb, big, excess - big)
+    rb = excess - ra
+    a = _maybe_transpose(rescale(a, -ra), transpose_a)
+    b = _maybe_transpose(rescale(b, -rb), transpose_b)
+    return unscale(jnp.matmul(a, b, precision=_HIGHEST), -ra, -rb)
 
 
 def powersgd_p(m, q) -> jax.Array:
@@ -233,12 +362,14 @@ def powersgd_p(m, q) -> jax.Array:
 
 def powersgd_q(m, p) -> jax.Array:
     """``Q = M^T P``: ``(..., n, m)^T @ (..., n, r) -> (..., m, r)`` float32."""
-    return _matmul(jnp.swapaxes(jnp.asarray(m), -1, -2), p)
+    # As (P^T M)^T: the overflow check reads the (..., r, m) product, and XLA
+    # keeps the layout it picks for M^T P.
+    return jnp.swapaxes(_matmul(p, m, transpose_a=True), -1, -2)
 
 
 def powersgd_reconstruct(p, q) -> jax.Array:
     """``M^ = P Q^T``: ``(..., n, r) @ (..., m, r)^T -> (..., n, m)`` float32."""
-    return _matmul(p, jnp.swapaxes(jnp.asarray(q), -1, -2))
+    return _matmul(p, q, transpose_b=True)
 
 
 def powersgd_init(key, shape, rank: int, *, epsilon: float = 1e-8,

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from qcollect._layout import BUCKET_BYTES, plan_segments
+from qcollect._vma import cast_varying
 
 __all__ = [
     "all_gather_invariant",
@@ -108,22 +109,7 @@ def as_varying(x, axis_name):
     Loop carries that pass through `lax.ppermute` are varying; an invariant
     initial value must be cast first. Outside shard_map (pmap) it is a no-op.
     """
-
-    def varying_axes(leaf):
-        aval = jax.typeof(leaf)
-        mat = getattr(aval, "mat", None)
-        return getattr(mat, "varying", None) if mat is not None else getattr(aval, "vma", None)
-
-    def cast(leaf):
-        axes = varying_axes(leaf)
-        if axes is None or axis_name in axes:
-            return leaf
-        try:
-            return lax.pcast(leaf, axis_name, to="varying")
-        except (NameError, ValueError):  # no manual axis to cast along (pmap)
-            return leaf
-
-    return jax.tree.map(cast, x)
+    return cast_varying(x, (axis_name,))
 
 
 def all_gather_invariant(x: jax.Array, axis_name) -> jax.Array:

@@ -9,9 +9,21 @@ import numpy as np
 import pytest
 
 import qcollect as qc
-from tests.helpers import per_device
+from tests.helpers import mesh_of, per_device, sharded_update
 
 F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _orthonormal(rows, cols, seed):
+    a = np.random.default_rng(seed).standard_normal((rows, cols))
+    return np.linalg.qr(a)[0].astype(np.float32)
+
+
+# PCA slices of K = 24: the 4096 test values are 170 slices and a 16-value tail.
+BASIS = _orthonormal(24, 4, 0)
+MEAN = np.random.default_rng(1).standard_normal(24).astype(np.float32)
+# PowerSGD factors of the (64, 64) test matrix, rank 4.
+Q, P = _orthonormal(64, 4, 2), _orthonormal(64, 4, 3)
 
 
 def _compressors():
@@ -24,6 +36,8 @@ def _compressors():
         "adaptive": qc.adaptive(proportion=8), "adaptive-sampled": qc.adaptive(proportion=8,
                                                                              sample=64),
         "entropy": qc.entropy(),
+        "pca": qc.pca(BASIS, MEAN, num_workers=2), "pca-no-mean": qc.pca(BASIS, num_workers=1),
+        "powersgd": qc.powersgd(Q), "powersgd-left": qc.powersgd(P, side="left"),
     }
 
 
@@ -76,6 +90,71 @@ def test_non_finite_input_stays_non_finite(name):
         assert not np.isfinite(out).all(), f"{name} made {bad} finite"
 
 
+@jax.jit
+def _powersgd_steps(m):
+    """Two PowerSGD steps on one worker: P = M Q, orthogonalize, Q = M^T P, M^ = P Q^T,
+    the second warm-started from the first's Q (which has the scale of M)."""
+    q, outs = jnp.asarray(Q[:, :2]), []
+    for _ in range(2):
+        p = qc.orthogonalize(qc.powersgd_p(m, q))
+        q = qc.powersgd_q(m, p)
+        outs.append((p, q, qc.powersgd_reconstruct(p, q)))
+    return outs
+
+
+@pytest.mark.parametrize("case", list(_inputs()))
+def test_powersgd_steps_stay_finite_and_scale_free(case):
+    """Products of values near 2**100 overflow; the power-of-two rescaling keeps every
+    factor finite and P orthonormal, and where no true entry passes the float32
+    maximum the result is that of the input scaled down by 2**-100, scaled back."""
+    x = np.asarray(_inputs()[case], np.float32).reshape(64, 64)
+    steps = _powersgd_steps(jnp.asarray(x))
+    for p, q, m_hat in steps:
+        for a in (p, q, m_hat):
+            assert np.isfinite(np.asarray(a)).all(), case
+        np.testing.assert_allclose(np.asarray(p).T @ np.asarray(p), np.eye(2), atol=1e-4)
+    if case != "near the maximum":
+        # Not the warm-started step: there M Q has the scale of M**2 and saturates at
+        # the float32 maximum (P keeps a direction, not the one of the small input).
+        got = np.asarray(steps[0][2], np.float64)
+        want = np.asarray(_powersgd_steps(jnp.asarray(x * np.float32(2.0 ** -100)))[0][2],
+                          np.float64) * 2.0 ** 100
+        np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max())
+
+
+def test_orthogonalize_of_huge_columns_is_orthonormal():
+    """Squares of 1e30 overflow: the columns used to come out as zeros."""
+    a = np.random.default_rng(4).standard_normal((32, 3)).astype(np.float32)
+    for scale in (1e30, 1e38):
+        p = np.asarray(qc.orthogonalize(jnp.asarray(a * np.float32(scale))))
+        np.testing.assert_allclose(p.T @ p, np.eye(3), atol=1e-5)
+        np.testing.assert_allclose(p, np.asarray(qc.orthogonalize(jnp.asarray(a))), atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["1e37", "mixed 1e-30 / 1e30"])
+def test_full_rank_pca_round_trip_of_huge_values_is_close(case):
+    """A full-rank basis decodes huge values to themselves: the rescaling is exact."""
+    x = jnp.asarray(_inputs()[case], jnp.float32)
+    c = qc.pca(_orthonormal(24, 24, 5), MEAN * np.float32(1e30), num_workers=3)
+    out = np.asarray(_jitted_round_trip(c)(x, jax.random.key(0)), np.float64)
+    x = np.asarray(x, np.float64)
+    np.testing.assert_allclose(out, x, atol=1e-5 * np.abs(x).max())
+
+
+@pytest.mark.parametrize("case", list(_inputs()))
+def test_pca_fit_of_extreme_samples_is_finite(case):
+    """The covariance of samples near the float32 maximum overflowed (NaN basis)."""
+    samples = jnp.asarray(_inputs()[case], jnp.float32).reshape(16, 256)
+    fit = qc.pca_fit(samples, slice_size=16, rank=4, slices="all")
+    basis, mean = np.asarray(fit.basis, np.float64), np.asarray(fit.mean, np.float64)
+    assert np.isfinite(np.asarray(fit.energy)).all() and np.isfinite(mean).all()
+    np.testing.assert_allclose(basis.T @ basis, np.eye(4), atol=1e-5)
+    rows = np.asarray(samples, np.float64).reshape(-1, 16)
+    np.testing.assert_allclose(mean, rows.mean(0), atol=1e-6 * np.abs(rows).max())
+    capped = qc.pca_fit(samples, slice_size=16, loss_threshold=0.1, max_rank=4, slices="all")
+    assert np.isfinite(np.asarray(capped.basis)).all() and 1 <= int(capped.rank) <= 16
+
+
 def test_float16_cast_saturates_instead_of_overflowing():
     c = qc.cast("float16")
     out = np.asarray(c.decode(c.encode(jnp.array([1e30, -1e30, 3.0, np.inf, np.nan]))))
@@ -103,6 +182,57 @@ def test_compressed_all_reduce_of_huge_finite_leaves_is_finite(compressor):
     assert np.linalg.norm(got - exact) < np.linalg.norm(exact)
 
 
+@pytest.mark.parametrize("algorithm", ["ring", "pairwise"])
+def test_pca_all_reduce_of_huge_finite_leaves_is_finite(algorithm):
+    """PCA through the collective (encodes run under vmap inside shard_map): a leaf
+    whose projections sum to near the float32 maximum, beside a 1e-30-scale one,
+    stays finite, and the tiny leaf's projection survives. (A projection can be
+    sqrt(K) times a slice's largest entry: the huge leaf is scaled so that the
+    exact coefficients and their sum are representable, as a psum's must be.)"""
+    n, k = 4, BASIS.shape[0]
+    rng = np.random.default_rng(4)
+    huge = F32_MAX / (n * np.sqrt(k)) * 0.9
+    tree = {"huge": jnp.asarray(rng.choice([-1, 1], (n, k * 32)) * huge, jnp.float32),
+            "tiny": jnp.asarray(rng.normal(size=(n, 24, 8)) * 1e-30, jnp.float32)}
+    c = qc.pca(BASIS, num_workers=n)
+    run = per_device(lambda t, k: qc.compressed_all_reduce(t, "d", c, k,
+                                                           algorithm=algorithm).value, n)
+    value = run(tree, jnp.stack([jax.random.key(0)] * n))
+    for leaf in jax.tree.leaves(value):
+        assert np.isfinite(np.asarray(leaf)).all()
+    assert np.abs(np.asarray(value["tiny"])).max() > 0
+
+
+def test_powersgd_transform_of_huge_finite_gradients_is_finite():
+    """transforms.powersgd on huge gradients: products of values near 2**64 overflowed
+    (a warm-start Q has the gradients' scale, so M Q squares it) and turned every
+    later step into NaN, and squares near 2**64 in Gram-Schmidt zeroed P (a zero
+    update). Every update, error and Q memory stays finite, the update is a real
+    approximation, and error feedback keeps its books: update + mean error = mean of
+    M_i = g_i + e_i. (The scales keep the exact factors representable: P = M Q can
+    be sqrt(m) times M's entries.)"""
+    import transforms
+
+    n = 2
+    tx = transforms.powersgd("d", rank=2, key=jax.random.key(0), start_iter=0)
+    template = {"w": jnp.zeros((16, 8)), "v": jnp.zeros((8,))}
+    state = transforms.init_sharded(tx, template, mesh_of(n), "d")
+    run = sharded_update(tx, n, state)
+    rng = np.random.default_rng(5)
+    for scale in (1e20, 1e36, 1e30, 1e-30):
+        grads = {"w": jnp.asarray(rng.choice([-1, 1], (n, 16, 8)) * scale, jnp.float32),
+                 "v": jnp.asarray(rng.uniform(-1, 1, (n, 8)) * scale, jnp.float32)}
+        m = np.asarray(grads["w"], np.float64) + np.asarray(state.residuals["w"], np.float64)
+        updates, state = run(grads, state)
+        for leaf in jax.tree.leaves((updates, state)):
+            if jnp.issubdtype(leaf.dtype, jnp.floating):
+                assert np.isfinite(np.asarray(leaf)).all(), scale
+        update = np.asarray(updates["w"], np.float64)
+        booked = update + np.asarray(state.residuals["w"], np.float64).mean(0)
+        np.testing.assert_allclose(booked, m.mean(0), atol=1e-5 * np.abs(m).max())
+        assert np.linalg.norm(update) > 0.1 * np.linalg.norm(m.mean(0)), scale
+
+
 def test_update_on_another_tree_names_the_first_difference():
     """tx.update on a tree other than the one tx.init saw: a ValueError naming the
     first leaf path where they part, or the leaf whose shape changed."""
@@ -122,4 +252,7 @@ def test_update_on_another_tree_names_the_first_difference():
     with pytest.raises(ValueError, match=r"residual of \['b'\] has shape \(4, 4\), expected "
                                          r"\(4, 5\)"):
         update({"a": jnp.zeros((8, 8)), "b": jnp.zeros((4, 5))})
+    with pytest.raises(ValueError, match=r"residual of \['b'\] has shape \(4, 4\), expected "
+                                         r"\(2, 8\)"):   # the same size, transposed
+        update({"a": jnp.zeros((8, 8)), "b": jnp.zeros((2, 8))})
     assert update({"a": jnp.ones((8, 8)), "b": jnp.ones((4, 4))})["b"].shape == (2, 4, 4)

@@ -55,6 +55,27 @@ def test_orthogonalize_matches_qr(batch, n, data):
         np.testing.assert_allclose(o.T @ o, np.eye(r), atol=1e-4)
 
 
+def test_normalize_keeps_the_orthogonalized_p():
+    """Power-of-two column scales of Q: each column's largest entry in [0.5, 1), and
+    orthogonalize(M Q) unchanged (Gram-Schmidt ignores positive column scales)."""
+    rng = np.random.default_rng(0)
+    m = jnp.asarray(rng.standard_normal((3, 40, 24)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((24, 4)) * np.array([1e-20, 1.0, 3e15, 1e30]),
+                    jnp.float32)
+    unit = np.asarray(qc.powersgd_normalize(q))
+    top = np.abs(unit).max(axis=0)
+    assert ((top >= 0.5) & (top < 1)).all()
+    np.testing.assert_array_equal(np.log2(unit / np.asarray(q)) % 1, 0)   # exact powers
+    q64 = np.asarray(q, np.float64)
+    unit_norm = jnp.asarray(q64 / np.linalg.norm(q64, axis=0), jnp.float32)
+    want = qc.orthogonalize(qc.powersgd_p(m, unit_norm), 0.0)
+    got = qc.orthogonalize(qc.powersgd_p(m, unit), 0.0)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+    assert np.asarray(qc.powersgd_normalize(jnp.zeros((5, 2)))).max() == 0
+    with pytest.raises(ValueError, match="q must have shape"):
+        qc.powersgd_normalize(jnp.ones(3))
+
+
 def test_orthogonalize_zero_and_dependent_columns_stay_finite():
     a = np.random.default_rng(1).standard_normal((6, 1)).astype(np.float32)
     mat = np.concatenate([a, np.zeros((6, 1)), 2 * a, np.ones((6, 1))], axis=1)

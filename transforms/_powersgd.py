@@ -239,7 +239,7 @@ def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = 1_000,
                 mat = mat + residuals[i]
             members.append(i)
             mats.append(mat)
-            factors.append(qs[i] if warm_start
+            factors.append(qc.powersgd_normalize(qs[i]) if warm_start
                            else first_q(jax.random.fold_in(step_key, i), g))
         # Round one: P = sum_i M_i Q, summed as payloads, then orthogonalized.
         p_sum = _ring_sum([qc.powersgd(q, side="right", view=matrix_view).encode(m)
