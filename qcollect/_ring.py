@@ -109,7 +109,7 @@ def as_varying(x, axis_name):
     Loop carries that pass through `lax.ppermute` are varying; an invariant
     initial value must be cast first. Outside shard_map (pmap) it is a no-op.
     """
-    return cast_varying(x, (axis_name,))
+    return cast_varying(x, tuple(axis_name) if isinstance(axis_name, tuple) else (axis_name,))
 
 
 def all_gather_invariant(x: jax.Array, axis_name) -> jax.Array:

@@ -159,6 +159,7 @@ def test_transport_only_moves_the_compressors_bytes_without_its_codec():
         assert ops == [op.op for op in qc.wire_report(real, x)]
 
 
+@pytest.mark.slow  # four worker processes
 def test_nodes_of_several_devices_measure_the_hierarchical_all_reduce(tmp_path):
     """Two processes of two devices: every compressed method also as METHOD/h, which
     sends across nodes at most 1/(L x compression) of psum's bytes; the wire

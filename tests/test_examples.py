@@ -133,6 +133,7 @@ def _tiny_args(tmp_path, names, extra=()):
 ALL_BUT_ENTROPY = [n for n in COMPRESSOR_NAMES if n != "entropy"]  # its own test below
 
 
+@pytest.mark.slow  # a training run per compressor
 def test_mlp_example_trains_every_compressor(tmp_path, capsys):
     results = _main("mnist_mlp")(_tiny_args(tmp_path, ALL_BUT_ENTROPY, ["--width", "64",
                                                                 "--powersgd-start", "1",
@@ -157,6 +158,7 @@ def test_mlp_example_trains_every_compressor(tmp_path, capsys):
     assert (tmp_path / "mnist_mlp.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow  # a training run; the hierarchy is tested in test_hierarchical.py
 def test_mlp_example_on_nodes_compresses_only_across_nodes(tmp_path, capsys):
     """``--mesh node,local``: 2 simulated nodes of 4 devices, hierarchical all-reduce;
     the bytes across nodes shrink by the devices per node times the compression."""

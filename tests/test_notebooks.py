@@ -42,7 +42,8 @@ def test_notebooks_found():
     assert NOTEBOOKS, f"no notebooks in {NOTEBOOKS_DIR}"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p.stem == "quantizers"
+                                  else p for p in NOTEBOOKS], ids=IDS)  # quantizers: 30 s
 def test_notebook_executes_quick(path, tmp_path):
     committed = path.read_bytes()
     out = tmp_path / path.name

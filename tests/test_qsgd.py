@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import qcollect as qc
@@ -14,6 +14,7 @@ def _decode_many(c, x, keys):
     return jax.jit(jax.vmap(lambda k: c.decode(c.encode(x, k))))(keys)
 
 
+@settings(max_examples=12)  # a compile per example
 @given(
     bits=st.sampled_from([2, 4, 8]),
     length=st.integers(1, 700),
@@ -54,6 +55,7 @@ def test_bias_is_statistically_zero_per_element():
     assert np.all(np.abs(q.mean(0) - np.asarray(x)) <= 5 * std_err + 1e-7)
 
 
+@settings(max_examples=12)  # a compile per example
 @given(
     bits=st.sampled_from([2, 4, 8, 16]),
     length=st.integers(1, 3000),

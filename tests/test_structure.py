@@ -88,7 +88,9 @@ def _rel(a, b):
 @given(shapes=st.lists(st.sampled_from(SHAPES), min_size=2, max_size=5),
        scales=st.lists(st.sampled_from(SCALES), min_size=5, max_size=5),
        n=st.sampled_from([1, 2, 3, 4, 8]), seed=st.integers(0, 99), data=st.data())
-@pytest.mark.parametrize("name", DETERMINISTIC)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow)
+                                  if n == "entropy_full_sample" else n
+                                  for n in DETERMINISTIC])  # entropy compiles slowly
 def test_a_leaf_reduces_as_if_alone(name, shapes, scales, n, seed, data):
     compressor = DETERMINISTIC[name](n)
     algorithm = data.draw(st.sampled_from(_exact_algorithms(compressor)), label="algorithm")
@@ -139,7 +141,7 @@ def test_small_scale_layer_beside_a_large_one(name, algorithm):
 
 @pytest.mark.parametrize("compressor", [qc.onebit(grouping="column"), qc.adaptive(8)],
                          ids=lambda c: c.name)
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow), 4])
 def test_columns_reach_the_error_of_encoding_each_leaf_directly(compressor, n):
     """Through the collective a device encodes whole columns of each leaf: what
     it contributes is exactly its own leaf's direct encoding, and the sum is
@@ -232,7 +234,8 @@ def test_model_averaging_codes_every_layer_with_its_own_range():
 
 
 @pytest.mark.parametrize("compressor", [qc.onebit(grouping="column"), qc.qsgd(bits=4),
-                                        qc.adaptive(16), qc.entropy()],
+                                        qc.adaptive(16),
+                                        pytest.param(qc.entropy(), marks=pytest.mark.slow)],
                          ids=lambda c: c.name)
 def test_wire_bytes_are_the_payloads_of_whole_group_chunks(compressor):
     """Pairwise sends each chunk's payload N - 1 times and all-gathers the

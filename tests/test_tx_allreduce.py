@@ -92,7 +92,8 @@ def _uncompressed_losses(steps):
     return _run(tx, steps)[2]
 
 
-@pytest.mark.parametrize("name", CONVERGENCE)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "entropy"
+                                  else n for n in CONVERGENCE])  # entropy compiles slowly
 def test_least_squares_converges_near_uncompressed(name):
     """Every compressor reaches (a stated multiple of) the uncompressed loss + noise floor."""
     compressor, algorithm, factor, steps = CONVERGENCE[name]

@@ -214,6 +214,7 @@ def _least_squares(every_k, steps, lr=0.3, dim=32, rows=64):
         np.asarray(s[1].count)
 
 
+@pytest.mark.slow  # a training run
 def test_local_sgd_least_squares_converges():
     x, ours, exact, alone, count = _least_squares(5, 60)
     print(f"\nlocal SGD on 8 devices, every_k=5, 60 steps: relative distance to the global "
