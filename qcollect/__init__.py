@@ -16,6 +16,7 @@ package, installed by the same distribution.
 
 from qcollect._adaptive import adaptive
 from qcollect._baseline import cast, identity
+from qcollect._buckets import UNROLL_BUCKETS
 from qcollect._compressed import ALGORITHMS, AllReduceResult, compressed_all_reduce
 from qcollect._entropy import EntropyCompressor, EntropyPlan, entropy
 from qcollect._groups import matrix_view
@@ -51,6 +52,7 @@ __all__ = [
     "ALGORITHMS",
     "AllReduceResult",
     "BUCKET_BYTES",
+    "UNROLL_BUCKETS",
     "Compressor",
     "EntropyCompressor",
     "EntropyPlan",

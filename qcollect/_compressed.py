@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from qcollect._algorithms import Chunks, reduce_pieces
+from qcollect._buckets import UNROLL_BUCKETS, check_unroll, reduce_buckets
 from qcollect._config import check_choice, check_int
 from qcollect._hierarchical import reduce_hierarchical
 from qcollect._layout import BUCKET_BYTES, plan_segments
@@ -91,7 +92,8 @@ def _hierarchy(axis_name):
 def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
                           algorithm: str = "auto", mean: bool = False, fuse: bool = True,
                           bucket_bytes: int | None = BUCKET_BYTES, pipeline: int = 1,
-                          owner_residual=None) -> AllReduceResult:
+                          owner_residual=None,
+                          unroll_buckets: int | None = UNROLL_BUCKETS) -> AllReduceResult:
     """All-reduce of an array or pytree with every hop compressed.
 
     Args:
@@ -118,11 +120,11 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
         with one scale per array) never fuse. Fusion never changes a leaf's
         statistics, only how many collectives run. With False every leaf is
         reduced on its own.
-      bucket_bytes: cap of a fused segment (default 4 MiB, like the buckets
-        of PyTorch DDP): leaves fill a segment in tree order until the next
-        would pass the cap, and a leaf of ``bucket_bytes`` or more is reduced
-        on its own, so large leaves are not copied into a concatenation.
-        None: no cap.
+      bucket_bytes: bucket size (default 4 MiB, like the buckets of PyTorch
+        DDP): the fused leaves of one dtype are reduced in buckets of whole
+        groups of at most this size, and a leaf of ``bucket_bytes`` or more
+        is reduced on its own, so large leaves are not copied into a
+        concatenation. None: no cap.
       pipeline: pieces per chunk (row segments; column segments are never
         cut): each device's chunk of a segment is cut into ``pipeline`` runs
         of whole groups, and each run is reduced by its own chain of
@@ -135,6 +137,16 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
       owner_residual: ``"pairwise"`` only: the previous step's ``owner_error``
         (same structure as ``x``), added to the owner's reduced chunk before
         re-encoding.
+      unroll_buckets: equal buckets (the full buckets of fused leaves, or
+        leaves of one shape reduced on their own) form a class; a class of
+        at most this many buckets (default 64: 256 MiB of float32) is traced
+        once per bucket, a longer one runs as one `lax.map` loop, so the
+        program holds one copy of the algorithm per class and its size and
+        compile time stop growing with the model. XLA:CPU runs the loop
+        body up to about 2x slower than the traced copies
+        (`docs/benchmarks.md`, "Compile time and program size"). 0: loop
+        every class of two or more; None: never loop. Values, wire bytes
+        and random streams are the same either way.
 
     Returns:
       `AllReduceResult` ``(value, contributed, owner_error)``, each like ``x``
@@ -155,6 +167,7 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
     """
     check_choice("algorithm", algorithm, ("auto",) + ALGORITHMS)
     pipeline = check_int("pipeline", pipeline, low=1)
+    unroll_buckets = check_unroll(unroll_buckets)
     if algorithm == "auto":
         algorithm = "ring" if compressor.linear else "pairwise"
     if algorithm == "ring" and not compressor.linear:
@@ -177,29 +190,30 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
     leaves = [jnp.asarray(leaf) for leaf in leaves]
     owners = (treedef.flatten_up_to(owner_residual) if owner_residual is not None
               else None)
-    out = {"value": [None] * len(leaves), "contributed": [None] * len(leaves),
-           "owner": [None] * len(leaves)}
     segments = plan_segments(leaves, compressor.grouping, compressor.block, n,
                              fuse=fuse, bucket_bytes=bucket_bytes)
-    for i, seg in enumerate(segments):
-        if seg.length == 0:  # empty leaves
-            for m in seg.members:
-                out["value"][m] = jnp.zeros(leaves[m].shape, leaves[m].dtype)
-                out["contributed"][m] = jnp.zeros_like(leaves[m])
-                out["owner"][m] = jnp.zeros(leaves[m].shape, jnp.float32)
-            continue
-        valid = seg.valid() if compressor.masks_padding else None
-        residual = None if owners is None else Chunks(seg.laid_out(owners), seg)
-        chunks, seg_key = Chunks(seg.laid_out(leaves), seg), jax.random.fold_in(key, i)
+
+    def reduce_bucket(data, valid, residual, bucket_key, layout):
+        chunks = Chunks(data, layout)
+        residual = None if residual is None else Chunks(residual, layout)
         if axes is None:
-            parts = reduce_pieces(chunks, axis_name, compressor, valid, seg_key, algorithm,
-                                  residual, pipeline)
-        else:
-            parts = reduce_hierarchical(chunks, axes, compressor, valid, seg_key, algorithm,
-                                        residual)
-        for name, part in zip(("value", "contributed", "owner"), parts, strict=True):
-            if part is not None:
-                for m, leaf in zip(seg.members, seg.leaves(part), strict=True):
+            return reduce_pieces(chunks, axis_name, compressor, valid, bucket_key, algorithm,
+                                 residual, pipeline)
+        return reduce_hierarchical(chunks, axes, compressor, valid, bucket_key, algorithm,
+                                   residual)
+
+    out = {"value": [None] * len(leaves), "contributed": [None] * len(leaves),
+           "owner": [None] * len(leaves)}
+    reduced = reduce_buckets(segments, leaves, owners, key, compressor.masks_padding,
+                             reduce_bucket, unroll_buckets)
+    for seg, parts in zip(segments, reduced, strict=True):
+        for name, stacked in zip(("value", "contributed", "owner"), parts, strict=True):
+            if seg.length == 0:  # empty leaves
+                for m in seg.members:
+                    dtype = jnp.float32 if name == "owner" else leaves[m].dtype
+                    out[name][m] = jnp.zeros(leaves[m].shape, dtype)
+            elif stacked is not None:
+                for m, leaf in zip(seg.members, seg.unbucketed(stacked), strict=True):
                     out[name][m] = leaf
     value, contributed = (treedef.unflatten(out[k]) for k in ("value", "contributed"))
     owner = treedef.unflatten(out["owner"]) if algorithm == "pairwise" else None

@@ -11,11 +11,11 @@ layout here keeps every group whole and inside its own leaf:
 * ``"element"`` and ``"bucket"`` (``block`` values per bucket): a *row
   segment*. Each leaf is flattened row-major and zero-padded to whole
   buckets, so its buckets are rows of a ``(rows, block)`` array; leaves of
-  one dtype are stacked row after row (up to ``bucket_bytes``), and a
-  device's chunk is ``ceil(rows / N)`` whole rows, encoded as one flat
-  array. A leaf's last, partial bucket is zero-padded; compressors whose
-  statistics padding would bias (`Compressor.masks_padding`) get its real
-  count in ``valid``.
+  one dtype are stacked row after row and the rows cut into buckets of at
+  most ``bucket_bytes`` (`Segment.parts`), and a device's chunk of a bucket
+  is whole rows, encoded as one flat array. A leaf's last, partial bucket
+  is zero-padded; compressors whose statistics padding would bias
+  (`Compressor.masks_padding`) get its real count in ``valid``.
 * ``"column"``: a *column segment*. Each leaf is viewed as a
   ``(rows, cols)`` matrix (`qcollect.matrix_view`: the last axis indexes the
   columns, so a Flax kernel ``(in, out)`` or ``(kh, kw, in, out)`` has one
@@ -55,7 +55,7 @@ from qcollect._groups import matrix_view
 
 __all__ = ["BUCKET_BYTES", "GROUPINGS", "Segment", "leaf_chunks", "plan_segments"]
 
-#: Default cap of a fused buffer: small leaves ride together up to 4 MiB; a
+#: Default bucket size: small leaves ride together in buckets of 4 MiB; a
 #: leaf of 4 MiB or more is reduced on its own, without a concatenation copy.
 BUCKET_BYTES = 4 << 20
 
@@ -77,6 +77,10 @@ class Segment:
         segment).
       spans: rows (or columns) of each member.
       n: devices, i.e. chunks.
+      bucket: rows (or columns) of one device's chunk in a full bucket, or
+        None: the segment is one bucket. A segment longer than ``n * bucket``
+        is reduced bucket by bucket (`parts`), each bucket cut into ``n``
+        chunks of whole groups; equal buckets run as one loop.
     """
 
     members: tuple[int, ...]
@@ -86,6 +90,7 @@ class Segment:
     unit: int
     spans: tuple[int, ...]
     n: int
+    bucket: int | None = None
 
     @property
     def length(self) -> int:
@@ -93,9 +98,34 @@ class Segment:
         return sum(self.spans)
 
     @property
+    def parts(self) -> tuple[tuple[int, int], ...]:
+        """``((count, per_chunk), ...)``: runs of equal buckets, in order.
+
+        One bucket of ``ceil(length / n)`` rows per chunk, or ``count`` full
+        buckets of ``bucket`` rows per chunk and a last, shorter one for the
+        rest (padded to ``n`` chunks of equal size, as a single bucket is).
+        """
+        single = -(-self.length // self.n)
+        if self.bucket is None or self.length <= self.n * self.bucket:
+            return ((1, single),)
+        full = self.length // (self.n * self.bucket)
+        rest = self.length - full * self.n * self.bucket
+        return ((full, self.bucket),) + (((1, -(-rest // self.n)),) if rest else ())
+
+    @property
+    def buckets(self) -> int:
+        return sum(count for count, _ in self.parts)
+
+    @property
     def per_chunk(self) -> int:
-        """Rows (or columns) in one device's chunk."""
-        return -(-self.length // self.n)
+        """Rows (or columns) in one device's chunk of the first bucket."""
+        return self.parts[0][1]
+
+    def layout(self, per_chunk: int) -> Segment:
+        """The layout of one bucket of ``per_chunk`` rows (or columns) per
+        chunk: what `take`, `chunk_shape` and `per_chunk` read."""
+        return Segment((), (), self.dtype, self.columns, self.unit, (self.n * per_chunk,),
+                       self.n)
 
     @property
     def chunk_shape(self) -> tuple[int, ...]:
@@ -123,13 +153,18 @@ class Segment:
             return lax.dynamic_slice_in_dim(laid_out, j * self.per_chunk, self.per_chunk, axis=1)
         return lax.dynamic_index_in_dim(laid_out, j, keepdims=False)
 
-    def laid_out(self, leaves) -> jax.Array:
-        """The members side by side: ``(rows, n * c)`` columns for a column
-        segment (chunk ``j`` is columns ``[j c, (j + 1) c)``), else the
-        ``(n, *chunk_shape)`` chunks themselves."""
+    @property
+    def _padded(self) -> int:
+        """Rows (or columns) of all buckets, padding included."""
+        return sum(count * self.n * per_chunk for count, per_chunk in self.parts)
+
+    def _stream(self, leaves) -> jax.Array:
+        """The members one after the other, padded to `_padded`: a
+        ``(rows, columns)`` matrix of columns side by side, or a flat run of
+        rows."""
         parts = [jnp.asarray(leaves[i]) for i in self.members]
         dtype = parts[0].dtype
-        pad = self.n * self.per_chunk - self.length
+        pad = self._padded - self.length
         if self.columns:
             mats = [p.reshape(self.unit, s) for p, s in zip(parts, self.spans, strict=True)]
             if pad:
@@ -142,29 +177,76 @@ class Segment:
             flats.append(jnp.pad(flat, (0, tail)) if tail else flat)
         if pad:
             flats.append(jnp.zeros((pad * self.unit,), dtype))
-        flat = flats[0] if len(flats) == 1 else jnp.concatenate(flats)
-        return flat.reshape((self.n,) + self.chunk_shape)
+        return flats[0] if len(flats) == 1 else jnp.concatenate(flats)
+
+    def laid_out(self, leaves) -> jax.Array:
+        """The members side by side: ``(rows, n * c)`` columns for a column
+        segment (chunk ``j`` is columns ``[j c, (j + 1) c)``), else the
+        ``(n, *chunk_shape)`` chunks themselves. One bucket only (see
+        `bucketed`)."""
+        self._check_single()
+        stream = self._stream(leaves)
+        return stream if self.columns else stream.reshape((self.n,) + self.chunk_shape)
+
+    def bucketed(self, leaves) -> list[jax.Array]:
+        """Per `parts` entry, its buckets stacked: ``(count, n, per_chunk *
+        unit)`` chunks for a row segment, ``(count, rows, n * per_chunk)``
+        side-by-side matrices for a column segment (one copy of the columns,
+        only when there is more than one bucket)."""
+        stream = self._stream(leaves)
+        out, offset = [], 0
+        for count, per_chunk in self.parts:
+            size = count * self.n * per_chunk
+            if self.columns:
+                part = stream[:, offset:offset + size] if size != stream.shape[1] else stream
+                out.append(part.reshape(self.unit, count, self.n * per_chunk)
+                           .transpose(1, 0, 2))
+            else:
+                part = stream[offset * self.unit:(offset + size) * self.unit]
+                out.append(part.reshape(count, self.n, per_chunk * self.unit))
+            offset += size
+        return out
 
     def leaves(self, chunks: jax.Array) -> list[jax.Array]:
         """Inverse of `chunks`: the members' arrays, padding dropped."""
+        self._check_single()
+        return self.unbucketed([chunks[None]])
+
+    def unbucketed(self, parts) -> list[jax.Array]:
+        """Inverse of `bucketed` for stacked chunks: per `parts` entry an
+        array ``(count, n, *chunk_shape)``; returns the members' arrays,
+        padding dropped."""
         out = []
         offset = 0
         if self.columns:
-            mat = chunks.transpose(1, 0, 2).reshape(self.unit, self.n * self.per_chunk)
+            mats = [p.transpose(2, 0, 1, 3).reshape(self.unit, -1) for p in parts]
+            mat = mats[0] if len(mats) == 1 else jnp.concatenate(mats, axis=1)
             for shape, cols in zip(self.shapes, self.spans, strict=True):
                 out.append(mat[:, offset:offset + cols].reshape(shape))
                 offset += cols
             return out
-        flat = chunks.reshape(-1)
+        flats = [p.reshape(-1) for p in parts]
+        flat = flats[0] if len(flats) == 1 else jnp.concatenate(flats)
         for shape, rows in zip(self.shapes, self.spans, strict=True):
             out.append(flat[offset:offset + math.prod(shape)].reshape(shape))
             offset += rows * self.unit
         return out
 
+    def _check_single(self) -> None:
+        if len(self.parts) != 1 or self.parts[0][0] != 1:
+            raise ValueError(f"the segment has {self.buckets} buckets: use bucketed/unbucketed")
+
     def valid(self) -> np.ndarray | None:
         """``(n, rows per chunk)`` real values per row of a row segment, or
         None when every row is whole (and for column segments, whose columns
-        are never split)."""
+        are never split). One bucket only (see `bucket_valid`)."""
+        self._check_single()
+        valid = self.bucket_valid()
+        return None if valid is None else valid[0][0]
+
+    def bucket_valid(self) -> list[np.ndarray] | None:
+        """Per `parts` entry ``(count, n, per_chunk)`` real values per row,
+        or None when every row is whole (or for a column segment)."""
         if self.columns:
             return None
         counts = []
@@ -177,8 +259,14 @@ class Segment:
             counts.append(row)
         if not partial:  # padding rows are all zeros: no statistic is biased
             return None
-        counts.append(np.zeros(self.n * self.per_chunk - self.length, np.int32))
-        return np.concatenate(counts).reshape(self.n, self.per_chunk)
+        counts.append(np.zeros(self._padded - self.length, np.int32))
+        flat = np.concatenate(counts)
+        out, offset = [], 0
+        for count, per_chunk in self.parts:
+            size = count * self.n * per_chunk
+            out.append(flat[offset:offset + size].reshape(count, self.n, per_chunk))
+            offset += size
+        return out
 
 
 def _units(shape, grouping: str, block: int, n: int) -> tuple[bool, int, int]:
@@ -205,9 +293,12 @@ def plan_segments(leaves, grouping: str = "element", block: int = 1, n: int = 1,
       n: devices along the axis.
       fuse: place leaves of one dtype (and, for columns, one row count)
         together; False (or ``"leaf"`` grouping) gives every leaf its own.
-      bucket_bytes: cap of a fused segment: leaves fill a segment in tree
-        order until the next would pass the cap; a leaf of the cap or more
-        goes alone (so it is never copied into a concatenation); None: no cap.
+      bucket_bytes: bucket size: fused leaves form one segment per dtype
+        (and row width), reduced in buckets of whole groups of at most
+        ``bucket_bytes`` (`Segment.parts`: full buckets run as one loop, so
+        the program does not grow with the model); a leaf of
+        ``bucket_bytes`` or more goes alone, as one bucket (never copied
+        into a concatenation). None: one bucket for everything.
 
     Returns:
       Segments covering every leaf once, in the order of their first leaf.
@@ -219,26 +310,27 @@ def plan_segments(leaves, grouping: str = "element", block: int = 1, n: int = 1,
     check_int("block", block, low=1)
     alone = not fuse or grouping == "leaf" or bucket_bytes == 0
     segments: list[dict] = []
-    open_segment: dict[tuple, dict] = {}
+    streams: dict[tuple, dict] = {}
     for i, leaf in enumerate(leaves):
         shape, dtype = tuple(leaf.shape), jnp.dtype(leaf.dtype)
         columns, unit, span = _units(shape, grouping, block, n)
         nbytes = math.prod(shape) * dtype.itemsize
         key = (dtype, columns, unit)
-        current = open_segment.get(key)
         by_itself = alone or span == 0 or (bucket_bytes is not None and nbytes >= bucket_bytes)
-        if (by_itself or current is None
-                or (bucket_bytes is not None and current["bytes"] + nbytes > bucket_bytes)):
-            current = {"key": key, "members": [], "shapes": [], "spans": [], "bytes": 0}
+        current = None if by_itself else streams.get(key)
+        if current is None:
+            bucket = None
+            if not by_itself and bucket_bytes is not None:
+                bucket = max(1, bucket_bytes // (unit * dtype.itemsize) // n)
+            current = {"key": key, "members": [], "shapes": [], "spans": [], "bucket": bucket}
             segments.append(current)
             if not by_itself:
-                open_segment[key] = current
+                streams[key] = current
         current["members"].append(i)
         current["shapes"].append(shape)
         current["spans"].append(span)
-        current["bytes"] += nbytes
     return [Segment(tuple(s["members"]), tuple(s["shapes"]), s["key"][0], s["key"][1],
-                    s["key"][2], tuple(s["spans"]), n) for s in segments]
+                    s["key"][2], tuple(s["spans"]), n, s["bucket"]) for s in segments]
 
 
 def leaf_chunks(x, compressor, num_devices: int):

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from qcollect._buckets import UNROLL_BUCKETS, check_unroll
 from qcollect._layout import BUCKET_BYTES, plan_segments
 from qcollect._vma import cast_varying
 
@@ -219,20 +220,24 @@ def ring_all_gather(x: jax.Array, axis_name) -> jax.Array:
     return gathered.reshape((n * x.shape[0],) + x.shape[1:])
 
 
-def ring_all_reduce(x, axis_name, *, bucket_bytes: int | None = BUCKET_BYTES):
+def ring_all_reduce(x, axis_name, *, bucket_bytes: int | None = BUCKET_BYTES,
+                    unroll_buckets: int | None = UNROLL_BUCKETS):
     """Ring all-reduce (sum) of an array or pytree: equals ``lax.psum``.
 
     Every leaf is flattened, zero-padded to a multiple of N, scatter-reduced
     and all-gathered around the ring, then unpadded and reshaped. Leaves of one
-    dtype are fused into buffers of up to ``bucket_bytes`` first, so small
-    leaves ride together in one ring.
+    dtype are fused first and reduced in buckets of up to ``bucket_bytes``,
+    so small leaves ride together in one ring.
 
     Args:
       x: array or pytree of arrays (any shapes; float or integer dtypes).
       axis_name: the mapped axis to sum over.
-      bucket_bytes: cap of a fused buffer (default 4 MiB); a leaf of that
+      bucket_bytes: bucket size (default 4 MiB); a leaf of that
         size or more runs its own ring, without a concatenation copy. None:
         one ring per dtype.
+      unroll_buckets: a run of more than this many equal buckets of one
+        fused dtype runs as one `lax.map` loop (as in
+        `compressed_all_reduce`); None: never.
 
     Returns:
       The sum over devices, same structure, shapes and dtypes as ``x``,
@@ -253,13 +258,22 @@ def ring_all_reduce(x, axis_name, *, bucket_bytes: int | None = BUCKET_BYTES):
     leaves = [jnp.asarray(leaf) for leaf in leaves]
     out = [None] * len(leaves)
     n = _ring_size(axis_name)
+    unroll_buckets = check_unroll(unroll_buckets)
+
+    def reduce_bucket(chunks):
+        flat = chunks.reshape(-1)
+        if not flat.shape[0]:
+            return jnp.zeros(chunks.shape, chunks.dtype)
+        return all_gather_invariant(ring_reduce_scatter(flat, axis_name),
+                                    axis_name).reshape(chunks.shape)
+
     for seg in plan_segments(leaves, n=n, bucket_bytes=bucket_bytes):
-        flat = seg.chunks(leaves).reshape(-1)
-        if flat.shape[0]:
-            flat = all_gather_invariant(ring_reduce_scatter(flat, axis_name), axis_name)
-        else:
-            flat = jnp.zeros(flat.shape, flat.dtype)
-        for m, leaf in zip(seg.members, seg.leaves(flat.reshape(n, -1)), strict=True):
+        # Equal buckets run in one loop (see `qcollect._buckets`).
+        parts = [lax.map(reduce_bucket, part)
+                 if unroll_buckets is not None and part.shape[0] > max(unroll_buckets, 1)
+                 else jnp.stack([reduce_bucket(bucket) for bucket in part])
+                 for part in seg.bucketed(leaves)]
+        for m, leaf in zip(seg.members, seg.unbucketed(parts), strict=True):
             out[m] = leaf
     return treedef.unflatten(out)
 

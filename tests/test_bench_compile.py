@@ -39,11 +39,21 @@ def test_tiny_run_measures_every_size_and_method(tmp_path, capsys):
     assert "| 6,272 | 20 |" in text and "## qsgd-4" in text and "step ms |" in text
 
 
+def test_method_unroll_suffix():
+    import qcollect as qc
+
+    assert compile_bench.parse_method("qsgd-4")[2] == qc.UNROLL_BUCKETS
+    assert compile_bench.parse_method("qsgd-4/pairwise@0")[1:] == ("pairwise", 0)
+    assert compile_bench.parse_method("onebit@none")[2] is None
+
+
 @pytest.mark.parametrize("methods, message", [
     ("psum,gzip", "unknown method 'gzip'"),
     ("qsgd-4/tree", "unknown algorithm 'tree'"),
     ("qsgd-4/ring", "linear compressor"),
     ("psum/ring", "psum takes no algorithm"),
+    ("psum@0", "psum takes no algorithm or unroll"),
+    ("qsgd-4@-1", "must be an int >= 0 or 'none'"),
 ])
 def test_unknown_method_is_an_argument_error_naming_it(methods, message, capsys):
     with pytest.raises(SystemExit) as e:

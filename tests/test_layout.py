@@ -25,15 +25,36 @@ def _members(segments):
     return [seg.members for seg in segments]
 
 
-def test_buckets_cap_small_leaves_and_leave_large_ones_alone():
-    # Tree order is a, b, c, d, h (dict keys sorted). With an 8 KiB cap: a
-    # (4 KiB) opens a segment; b (40 KiB) goes alone; c (400 B) still fits
-    # a's segment; d (4 KiB) does not and opens the next one.
+def test_small_leaves_share_a_segment_cut_into_buckets_and_large_ones_go_alone():
+    # Tree order is a, b, c, d, h (dict keys sorted). With an 8 KiB cap: b
+    # (40 KiB) goes alone; a, c, d (8.4 KiB of float32) share a segment of
+    # 8 KiB buckets: one full bucket and a shorter last one.
     leaves = jax.tree.leaves(_tree())
-    assert _members(plan_segments(leaves, bucket_bytes=8 << 10)) == [(0, 2), (1,), (3,), (4,)]
+    segments = plan_segments(leaves, bucket_bytes=8 << 10)
+    assert _members(segments) == [(0, 2, 3), (1,), (4,)]
+    assert segments[0].parts == ((1, 2048), (1, 100)) and segments[0].buckets == 2
+    assert segments[1].parts == ((1, 10_000),)
     assert _members(plan_segments(leaves, bucket_bytes=None)) == [(0, 1, 2, 3), (4,)]
     assert len(plan_segments(leaves, bucket_bytes=0)) == 5
     assert len(plan_segments(leaves, fuse=False)) == 5
+
+
+def test_full_buckets_are_equal_and_hold_whole_groups():
+    # 3 leaves of 14 rows of 64 values on 4 devices, 4 KiB buckets: 16 rows
+    # a bucket (4 per device), so 2 full buckets and one of 10 rows (3 per
+    # device, padded).
+    leaves = [jnp.full((14 * 64 - 5,), float(i + 1)) for i in range(3)]
+    (seg,) = plan_segments(leaves, "bucket", 64, 4, bucket_bytes=4096)
+    assert seg.parts == ((2, 4), (1, 3))
+    parts = seg.bucketed(leaves)
+    assert [p.shape for p in parts] == [(2, 4, 256), (1, 4, 192)]
+    valid = seg.bucket_valid()
+    assert [v.shape for v in valid] == [(2, 4, 4), (1, 4, 3)]
+    assert int(sum(v.sum() for v in valid)) == 3 * (14 * 64 - 5)
+    for back, leaf in zip(seg.unbucketed(parts), leaves, strict=True):
+        np.testing.assert_array_equal(np.asarray(back), np.asarray(leaf))
+    with pytest.raises(ValueError, match="3 buckets"):
+        seg.laid_out(leaves)
 
 
 def test_a_leaf_of_the_cap_goes_alone_and_empty_leaves_get_empty_segments():
@@ -134,9 +155,25 @@ def test_every_layout_round_trips(shapes, grouping, block, n, cap):
     seen = sorted(m for seg in segments for m in seg.members)
     assert seen == list(range(len(leaves)))
     for seg in segments:
-        back = seg.leaves(seg.chunks(leaves))
+        back = seg.unbucketed(_as_chunks(seg, leaves))
         for m, leaf in zip(seg.members, back, strict=True):
             np.testing.assert_array_equal(np.asarray(leaf), np.asarray(leaves[m]))
+        if seg.buckets == 1:
+            np.testing.assert_array_equal(np.asarray(_join(seg.leaves(seg.chunks(leaves)))),
+                                          np.asarray(_join(back)))
+
+
+def _as_chunks(seg, leaves):
+    """`Segment.bucketed` with column buckets cut into their ``n`` chunks:
+    ``(count, n, rows, c)``, as the collective returns them."""
+    parts = seg.bucketed(leaves)
+    if not seg.columns:
+        return parts
+    return [p.reshape(p.shape[0], seg.unit, seg.n, -1).transpose(0, 2, 1, 3) for p in parts]
+
+
+def _join(arrays):
+    return jnp.concatenate([jnp.ravel(a) for a in arrays]) if arrays else jnp.zeros(0)
 
 
 def _collectives(fn, *args):

@@ -19,7 +19,10 @@ the lowered StableHLO text and of the optimised HLO text
 
 Methods are ``METHOD`` or ``METHOD/ALGORITHM`` (``ring``, ``pairwise``,
 ``ring_requantize``; without one, `compressed_all_reduce`'s ``"auto"``:
-ring for linear compressors, else pairwise), e.g. ``qsgd-4/ring_requantize``.
+ring for linear compressors, else pairwise), e.g. ``qsgd-4/ring_requantize``,
+with an optional ``@U`` for `compressed_all_reduce`'s ``unroll_buckets``
+(``qsgd-4@0``: every class of equal buckets as a loop; ``qsgd-4@none``: one
+traced copy per bucket), so both programs compare side by side.
 
 Each method's sizes are compiled, smallest first, by one worker process that
 first compiles the method once on a tiny tree (so the first size does not pay
@@ -86,22 +89,37 @@ DEFAULT_PARAMS = "19,38,76,151,1000"
 
 
 def parse_method(method: str, devices: int = 2):
-    """``(compressor or None, algorithm)`` of ``METHOD[/ALGORITHM]``.
+    """``(compressor or None, algorithm, unroll_buckets)`` of
+    ``METHOD[/ALGORITHM][@UNROLL]``.
+
+    ``@UNROLL`` sets `compressed_all_reduce`'s ``unroll_buckets``: an int
+    (``@0``: every class of equal buckets runs as a loop) or ``@none`` (the
+    program traced once per bucket); without it, the default.
 
     Raises:
-      ValueError: an unknown method or algorithm, an algorithm given for
-        ``psum``, or ``ring`` for a compressor that is not linear.
+      ValueError: an unknown method or algorithm, an algorithm or an unroll
+        given for ``psum``, an unroll that is not an int >= 0 or ``none``,
+        or ``ring`` for a compressor that is not linear.
     """
     import qcollect as qc
 
-    name, _, algorithm = method.partition("/")
+    spec, at, unroll_text = method.partition("@")
+    name, _, algorithm = spec.partition("/")
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r} in {method!r}; "
                          f"known: {', '.join(METHODS)}")
     if name == "psum":
-        if algorithm:
-            raise ValueError(f"psum takes no algorithm, got {method!r}")
-        return None, None
+        if algorithm or at:
+            raise ValueError(f"psum takes no algorithm or unroll, got {method!r}")
+        return None, None, None
+    unroll = qc.UNROLL_BUCKETS
+    if at:
+        if unroll_text == "none":
+            unroll = None
+        elif unroll_text.isdigit():
+            unroll = int(unroll_text)
+        else:
+            raise ValueError(f"unroll in {method!r} must be an int >= 0 or 'none'")
     algorithm = algorithm or "auto"
     if algorithm != "auto" and algorithm not in qc.ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r} in {method!r}; "
@@ -109,7 +127,7 @@ def parse_method(method: str, devices: int = 2):
     compressor = _compressors()[name](devices)
     if algorithm == "ring" and not compressor.linear:
         raise ValueError(f"{method!r}: the compressed-domain ring needs a linear compressor")
-    return compressor, algorithm
+    return compressor, algorithm, unroll
 
 
 def block_params(width: int) -> int:
@@ -142,7 +160,7 @@ def _lower_and_compile(mesh, method: str, blocks: int, width: int, runs: int = 0
     import qcollect as qc
 
     n = mesh.shape[_AXIS]
-    compressor, algorithm = parse_method(method, n)
+    compressor, algorithm, unroll = parse_method(method, n)
     varying = NamedSharding(mesh, P(_AXIS))
     # Each device's own gradient: a leading device axis, sharded, so it is varying.
     tree = {f"block_{b:04d}": {name: jax.ShapeDtypeStruct((n, *shape), np.float32,
@@ -156,8 +174,8 @@ def _lower_and_compile(mesh, method: str, blocks: int, width: int, runs: int = 0
         grads = jax.tree.map(lambda g: g[0], grads)
         if compressor is None:
             return lax.psum(grads, _AXIS)
-        return qc.compressed_all_reduce(grads, _AXIS, compressor, key,
-                                        algorithm=algorithm).value
+        return qc.compressed_all_reduce(grads, _AXIS, compressor, key, algorithm=algorithm,
+                                        unroll_buckets=unroll).value
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(_AXIS), P()), out_specs=P()))
     start = time.perf_counter()
@@ -370,7 +388,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                    help="comma-separated METHOD or METHOD/ALGORITHM, METHOD one of "
                         f"{', '.join(METHODS)}, ALGORITHM one of ring, pairwise, "
-                        f"ring_requantize (default {','.join(DEFAULT_METHODS)})")
+                        f"ring_requantize; a suffix @U sets unroll_buckets (an int, or "
+                        f"@none: never loop) (default {','.join(DEFAULT_METHODS)})")
     p.add_argument("--width", type=int, default=512,
                    help="model width d: blocks of d x d, d x 4d, 4d x d, d (default 512)")
     p.add_argument("--devices", type=int, default=8,

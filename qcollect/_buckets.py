@@ -1,0 +1,155 @@
+"""The loop over buckets: one traced copy of the per-bucket work per shape.
+
+`qcollect._layout` cuts a pytree into segments and each segment into
+buckets of whole compressor groups (`Segment.parts`). Buckets of equal
+layout -- the full buckets of a fused segment, or leaves of one shape reduced
+on their own -- form a *class*: their chunks are stacked and one
+`lax.map` runs the per-bucket collective over them. The program therefore
+holds one copy of the algorithm per class, not per bucket: its size and
+compile time stay flat as the model grows (``python -m qcollect.bench
+compile``). A loop runs the buckets one after the other, as the unrolled
+program's data dependencies already did.
+
+XLA:CPU runs a loop body slower than the same work traced bucket by bucket
+(about 2x for codec-bound steps: the stacked buckets are copied in and out,
+and a decode fused into the loop's output is not split across threads), so
+a class of at most ``unroll`` buckets (`UNROLL_BUCKETS` by default) is
+still traced once per bucket, and only longer classes -- large models, whose
+unrolled programs took minutes to compile -- run as a loop.
+
+Randomness: a segment of one bucket uses ``fold_in(key, segment)`` as it
+always did; bucket ``b`` of a longer segment uses
+``fold_in(fold_in(key, segment), b)``, so no two buckets share a stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from qcollect._layout import Segment
+
+__all__ = ["UNROLL_BUCKETS", "check_unroll", "reduce_buckets"]
+
+#: Classes of at most this many equal buckets (256 MiB of float32 at the
+#: default 4 MiB bucket) are traced once per bucket; longer ones run in one
+#: loop.
+UNROLL_BUCKETS = 64
+
+
+def check_unroll(unroll) -> int | None:
+    """Validates ``unroll_buckets``: None (never loop) or an int >= 0."""
+    if unroll is None:
+        return None
+    if isinstance(unroll, bool) or not isinstance(unroll, (int, np.integer)) or unroll < 0:
+        raise ValueError(f"unroll_buckets must be None or an int >= 0, got {unroll!r}")
+    return int(unroll)
+
+
+class _Run(NamedTuple):
+    """``count`` equal buckets of segment ``segment``, its `parts` entry ``part``."""
+
+    segment: int
+    part: int
+    first: int
+    count: int
+
+
+def _bucket_key(key, segment, bucket, single):
+    """The key of one bucket: ``fold_in(key, segment)``, folded again with
+    ``bucket`` unless its segment is a single bucket. Static (ints) in an
+    unrolled class, traced in a loop."""
+    key = jax.random.fold_in(key, segment)
+    if isinstance(single, (bool, np.bool_)):
+        return key if single else jax.random.fold_in(key, bucket)
+    folded = jax.random.fold_in(key, bucket)
+    return jax.random.wrap_key_data(
+        jnp.where(single, jax.random.key_data(key), jax.random.key_data(folded)),
+        impl=jax.random.key_impl(key))
+
+
+def _joined(arrays):
+    return arrays[0] if len(arrays) == 1 else jnp.concatenate(arrays)
+
+
+def reduce_buckets(segments: list[Segment], leaves, owners, key, masks_padding: bool,
+                   reduce_bucket: Callable, unroll: int | None = UNROLL_BUCKETS) -> list[tuple]:
+    """Runs ``reduce_bucket`` on every bucket of every segment, once per class.
+
+    Args:
+      segments: `qcollect._layout.plan_segments` of ``leaves``.
+      leaves: the arrays.
+      owners: arrays laid out like ``leaves`` (the owner residual), or None.
+      key: this device's PRNG key.
+      masks_padding: pass each bucket's valid counts (`Segment.bucket_valid`).
+      reduce_bucket: ``(data, valid, residual, key, layout) -> (value,
+        contributed, owner_error)`` for one bucket: ``data`` and ``residual``
+        as `Segment.laid_out` of the bucket ``layout``, results stacked
+        ``(n, *chunk_shape)`` (``owner_error`` may be None).
+      unroll: classes of at most this many buckets are traced once per
+        bucket; None: every class.
+
+    Returns:
+      Per segment ``(value, contributed, owner_error)``, each a list with one
+      ``(count, n, *chunk_shape)`` array per `Segment.parts` entry (for
+      `Segment.unbucketed`), or None; empty segments get ``(None, None,
+      None)``.
+    """
+    classes: dict[tuple, list[_Run]] = {}
+    data, valid, residual = {}, {}, {}
+    for i, seg in enumerate(segments):
+        if seg.length == 0:
+            continue
+        data[i] = seg.bucketed(leaves)
+        valid[i] = seg.bucket_valid() if masks_padding else None
+        residual[i] = None if owners is None else seg.bucketed(owners)
+        first = 0
+        for p, (count, per_chunk) in enumerate(seg.parts):
+            signature = (seg.dtype, seg.columns, seg.unit, per_chunk, valid[i] is None)
+            classes.setdefault(signature, []).append(_Run(i, p, first, count))
+            first += count
+
+    results: dict[tuple[int, int], tuple] = {}
+    for (_, _, _, per_chunk, _), runs in classes.items():
+        layout = segments[runs[0].segment].layout(per_chunk)
+        index = np.array([(r.segment, r.first + b, segments[r.segment].buckets == 1)
+                          for r in runs for b in range(r.count)], np.int32)
+        xs = (_joined([data[r.segment][r.part] for r in runs]),
+              None if valid[runs[0].segment] is None
+              else np.concatenate([valid[r.segment][r.part] for r in runs]),
+              None if owners is None
+              else _joined([residual[r.segment][r.part] for r in runs]))
+        if unroll is None or len(index) <= max(unroll, 1):
+            # Traced once per bucket, with static keys and valid counts.
+            outs = [reduce_bucket(*(None if a is None else a[b] for a in xs),
+                                  _bucket_key(key, int(seg), int(bucket), bool(single)), layout)
+                    for b, (seg, bucket, single) in enumerate(index)]
+            out = tuple(None if outs[0][k] is None else jnp.stack([o[k] for o in outs])
+                        for k in range(3))
+        else:
+            def body(xs_and_index, layout=layout):
+                (data_b, valid_b, residual_b), (segment, bucket, single) = xs_and_index
+                return reduce_bucket(data_b, valid_b, residual_b,
+                                     _bucket_key(key, segment, bucket, single), layout)
+
+            out = lax.map(body, (xs, tuple(jnp.asarray(index.T))))
+        offset = 0
+        for r in runs:
+            results[r.segment, r.part] = tuple(
+                None if a is None else a[offset:offset + r.count] for a in out)
+            offset += r.count
+
+    reduced = []
+    for i, seg in enumerate(segments):
+        if seg.length == 0:
+            reduced.append((None, None, None))
+            continue
+        parts = [results[i, p] for p in range(len(seg.parts))]
+        reduced.append(tuple(None if parts[0][k] is None else [part[k] for part in parts]
+                             for k in range(3)))
+    return reduced

@@ -1,0 +1,148 @@
+"""The loop over buckets: equal buckets share one traced copy of the algorithm.
+
+A tree of small leaves (a fused segment of many equal buckets and a shorter
+last one) and two equal large leaves (reduced alone, stacked into one loop)
+is reduced with 1 KiB buckets and as one bucket: the results are the
+same, the program does not grow with the number of buckets once they run
+as a loop (``unroll_buckets=0``; by default only classes of more than 64
+buckets do), and the wire bytes count every bucket, looped or traced once
+per bucket.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import qcollect as qc
+from qcollect._layout import plan_segments
+from tests.helpers import per_device
+
+N = 2
+SMALL = [(40,), (3, 50), (130,), (7, 7), (64,), (2, 64)]
+LARGE = [(600,), (600,)]
+CAP = 1024
+ONEBIT = qc.onebit(bucket_size=16)
+
+
+def _tree(shapes, seed=0):
+    keys = jax.random.split(jax.random.key(seed), len(shapes))
+    # leaves of different scales, so a bucket spanning two leaves would show
+    return [jax.random.normal(k, (N,) + s) * 10.0 ** (i % 4 - 2)
+            for i, (k, s) in enumerate(zip(keys, shapes, strict=True))]
+
+
+def _reduce(compressor, cap, **kw):
+    def fn(t):
+        out = qc.compressed_all_reduce(t, "d", compressor, jax.random.key(0),
+                                       bucket_bytes=cap, **kw)
+        return out.value, out.contributed, out.owner_error
+    return per_device(fn, N)
+
+
+def test_the_layout_has_a_loop_of_equal_buckets_and_a_class_of_equal_leaves():
+    leaves = [jnp.zeros(s) for s in SMALL + LARGE]
+    segments = plan_segments(leaves, ONEBIT.grouping, ONEBIT.block, N, bucket_bytes=CAP)
+    assert [seg.members for seg in segments] == [(0, 1, 2, 3, 4, 5), (6,), (7,)]
+    assert segments[0].parts == ((2, 8), (1, 3))  # 38 rows of 16 values, 16 a bucket
+    assert segments[1].parts == segments[2].parts == ((1, 19),)
+
+
+@pytest.mark.parametrize("unroll", [0, None], ids=["loop", "unrolled"])
+def test_buckets_give_the_results_of_one_bucket(unroll):
+    """1-bit statistics are per 16-value group: where a group lands (which
+    bucket, which device) changes nothing but the order in which the owner
+    adds the decoded payloads (rounding)."""
+    algorithm = "pairwise"
+    tree = _tree(SMALL + LARGE)
+    looped = _reduce(ONEBIT, CAP, algorithm=algorithm, unroll_buckets=unroll)(tree)
+    single = _reduce(ONEBIT, None, algorithm=algorithm)(tree)
+    # value and contributed per device; the owner errors sit at the chunks
+    # each device owns, which the layout decides: their sum over devices.
+    for k, (a_tree, b_tree) in enumerate(zip(looped, single, strict=True)):
+        for a, b in zip(a_tree, b_tree, strict=True):
+            a, b = np.asarray(a), np.asarray(b)
+            if k == 2:
+                a, b = a.sum(0), b.sum(0)
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_loop_draws_what_the_unrolled_program_draws():
+    """QSGD: a bucket's random stream does not depend on whether its class runs
+    as a loop, so both programs give the same values (up to rounding)."""
+    c = qc.qsgd(bits=2, bucket_size=16)
+    tree = _tree(SMALL + LARGE)
+    looped, unrolled = (_reduce(c, CAP, unroll_buckets=u)(tree) for u in (0, None))
+    for a, b in zip(jax.tree.leaves(looped), jax.tree.leaves(unrolled), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_stochastic_buckets_draw_independent_streams_and_stay_unbiased():
+    """QSGD through the loop: equal data in two buckets is coded with
+    different random draws; averaged over keys the sum is unbiased."""
+    row = jax.random.normal(jax.random.key(3), (N, 64))
+    tree = [row, row]  # two equal leaves: two equal large-leaf buckets in one loop
+    c = qc.qsgd(bits=2, bucket_size=16)
+    fn = per_device(lambda t, k: qc.compressed_all_reduce(t, "d", c, k, bucket_bytes=128,
+                                                          unroll_buckets=0).value, N)
+    outs = [fn(tree, jnp.stack([k] * N)) for k in jax.random.split(jax.random.key(1), 40)]
+    assert not np.array_equal(np.asarray(outs[0][0]), np.asarray(outs[0][1]))
+    mean = np.mean([np.asarray(o[0])[0] for o in outs], axis=0)
+    exact = np.asarray(row.sum(0))
+    assert np.abs(mean - exact).mean() < 0.25 * np.abs(exact).mean()
+
+
+def _collective_ops(fn, tree) -> int:
+    text = jax.jit(fn.mapped).lower(*fn.shard(tree)).compile().as_text()
+    return sum(text.count(f" {op}(") for op in ("collective-permute", "all-gather"))
+
+
+def test_the_program_does_not_grow_with_the_buckets_of_a_loop():
+    # 2 full buckets and a last one, or 7 and a last one of the same shape
+    looped = _reduce(ONEBIT, CAP, algorithm="pairwise", unroll_buckets=0)
+    ops = _collective_ops(looped, _tree(SMALL))
+    assert ops == _collective_ops(looped, _tree(SMALL * 3)) > 0
+    # a class of up to unroll_buckets is traced once per bucket: 7 full buckets
+    # are, with unroll_buckets=7, and run as the loop with 6
+    unrolled = _reduce(ONEBIT, CAP, algorithm="pairwise", unroll_buckets=7)
+    assert _collective_ops(unrolled, _tree(SMALL * 3)) > _collective_ops(unrolled, _tree(SMALL))
+    six = _reduce(ONEBIT, CAP, algorithm="pairwise", unroll_buckets=6)
+    assert _collective_ops(six, _tree(SMALL * 3)) == ops
+
+
+def test_ring_all_reduce_of_many_buckets():
+    """ring_all_reduce loops equal buckets too: exact sums either way."""
+    tree = _tree(SMALL * 3)
+    for unroll in (0, None):
+        fn = per_device(lambda t, u=unroll: qc.ring_all_reduce(t, "d", bucket_bytes=CAP,
+                                                               unroll_buckets=u), N)
+        for got, leaf in zip(fn(tree), tree, strict=True):
+            np.testing.assert_allclose(np.asarray(got)[0], np.asarray(leaf).sum(0),
+                                       rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "16"])
+def test_unroll_buckets_is_checked(value):
+    with pytest.raises(ValueError, match="unroll_buckets must be None or an int"):
+        _reduce(ONEBIT, CAP, unroll_buckets=value)(_tree(SMALL))
+
+
+@pytest.mark.parametrize("unroll", [0, None], ids=["loop", "unrolled"])
+@pytest.mark.parametrize("compressor", [ONEBIT, qc.qsgd(bits=4, bucket_size=16)])
+def test_wire_bytes_count_every_bucket(compressor, unroll):
+    tree = _tree(SMALL + LARGE)
+    fn = _reduce(compressor, CAP, algorithm="pairwise", unroll_buckets=unroll)
+    sent = qc.wire_bytes(fn.mapped, *fn.shard(tree))
+    want = 0
+    for seg in plan_segments([leaf[0] for leaf in tree], compressor.grouping,
+                             compressor.block, N, bucket_bytes=CAP):
+        for count, per_chunk in seg.parts:
+            layout = seg.layout(per_chunk)
+            kwargs = ({"valid": jnp.zeros(per_chunk, jnp.int32)}
+                      if compressor.masks_padding and seg.bucket_valid() is not None else {})
+            payload = jax.eval_shape(functools.partial(compressor.encode, **kwargs),
+                                     jnp.zeros(layout.chunk_shape), jax.random.key(0))
+            want += count * 2 * (N - 1) * qc.payload_bytes(payload)
+    assert sent == want
