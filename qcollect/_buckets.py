@@ -34,7 +34,7 @@ from jax import lax
 
 from qcollect._layout import Segment
 
-__all__ = ["UNROLL_BUCKETS", "check_unroll", "reduce_buckets"]
+__all__ = ["UNROLL_BUCKETS", "loops", "reduce_buckets"]
 
 #: Classes of at most this many equal buckets (256 MiB of float32 at the
 #: default 4 MiB bucket) are traced once per bucket; longer ones run in one
@@ -42,13 +42,10 @@ __all__ = ["UNROLL_BUCKETS", "check_unroll", "reduce_buckets"]
 UNROLL_BUCKETS = 64
 
 
-def check_unroll(unroll) -> int | None:
-    """Validates ``unroll_buckets``: None (never loop) or an int >= 0."""
-    if unroll is None:
-        return None
-    if isinstance(unroll, bool) or not isinstance(unroll, (int, np.integer)) or unroll < 0:
-        raise ValueError(f"unroll_buckets must be None or an int >= 0, got {unroll!r}")
-    return int(unroll)
+def loops(count: int, unroll: int | None) -> bool:
+    """Whether a class of ``count`` equal buckets runs as a loop: more than
+    ``unroll`` of them (a single bucket never does; None: never)."""
+    return unroll is not None and count > max(unroll, 1)
 
 
 class _Run(NamedTuple):
@@ -114,30 +111,40 @@ def reduce_buckets(segments: list[Segment], leaves, owners, key, masks_padding: 
             classes.setdefault(signature, []).append(_Run(i, p, first, count))
             first += count
 
+    def inputs(r):
+        """A run's stacked data, valid counts and residual (None where absent)."""
+        return tuple(None if a[r.segment] is None else a[r.segment][r.part]
+                     for a in (data, valid, residual))
+
     results: dict[tuple[int, int], tuple] = {}
     for (_, _, _, per_chunk, _), runs in classes.items():
         layout = segments[runs[0].segment].layout(per_chunk)
+        if not loops(sum(r.count for r in runs), unroll):
+            # Traced once per bucket, straight from each run's buckets, with
+            # static keys and valid counts.
+            for r in runs:
+                single = segments[r.segment].buckets == 1
+                outs = [reduce_bucket(*(None if a is None else a[b] for a in inputs(r)),
+                                      _bucket_key(key, r.segment, r.first + b, single), layout)
+                        for b in range(r.count)]
+                results[r.segment, r.part] = tuple(
+                    None if outs[0][k] is None else jnp.stack([o[k] for o in outs])
+                    for k in range(3))
+            continue
         index = np.array([(r.segment, r.first + b, segments[r.segment].buckets == 1)
                           for r in runs for b in range(r.count)], np.int32)
-        xs = (_joined([data[r.segment][r.part] for r in runs]),
-              None if valid[runs[0].segment] is None
-              else np.concatenate([valid[r.segment][r.part] for r in runs]),
-              None if owners is None
-              else _joined([residual[r.segment][r.part] for r in runs]))
-        if unroll is None or len(index) <= max(unroll, 1):
-            # Traced once per bucket, with static keys and valid counts.
-            outs = [reduce_bucket(*(None if a is None else a[b] for a in xs),
-                                  _bucket_key(key, int(seg), int(bucket), bool(single)), layout)
-                    for b, (seg, bucket, single) in enumerate(index)]
-            out = tuple(None if outs[0][k] is None else jnp.stack([o[k] for o in outs])
-                        for k in range(3))
-        else:
-            def body(xs_and_index, layout=layout):
-                (data_b, valid_b, residual_b), (segment, bucket, single) = xs_and_index
-                return reduce_bucket(data_b, valid_b, residual_b,
-                                     _bucket_key(key, segment, bucket, single), layout)
+        stacked = [inputs(r) for r in runs]
+        xs = tuple(None if column[0] is None
+                   else (np.concatenate(column) if isinstance(column[0], np.ndarray)
+                         else _joined(column))
+                   for column in zip(*stacked, strict=True))
 
-            out = lax.map(body, (xs, tuple(jnp.asarray(index.T))))
+        def body(xs_and_index, layout=layout):
+            (data_b, valid_b, residual_b), (segment, bucket, single) = xs_and_index
+            return reduce_bucket(data_b, valid_b, residual_b,
+                                 _bucket_key(key, segment, bucket, single), layout)
+
+        out = lax.map(body, (xs, tuple(jnp.asarray(index.T))))
         offset = 0
         for r in runs:
             results[r.segment, r.part] = tuple(

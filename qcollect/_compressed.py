@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from qcollect._algorithms import Chunks, reduce_pieces
-from qcollect._buckets import UNROLL_BUCKETS, check_unroll, reduce_buckets
+from qcollect._buckets import UNROLL_BUCKETS, reduce_buckets
 from qcollect._config import check_choice, check_int
 from qcollect._hierarchical import reduce_hierarchical
 from qcollect._layout import BUCKET_BYTES, plan_segments
@@ -167,7 +167,7 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
     """
     check_choice("algorithm", algorithm, ("auto",) + ALGORITHMS)
     pipeline = check_int("pipeline", pipeline, low=1)
-    unroll_buckets = check_unroll(unroll_buckets)
+    unroll_buckets = check_int("unroll_buckets", unroll_buckets, low=0, allow_none=True)
     if algorithm == "auto":
         algorithm = "ring" if compressor.linear else "pairwise"
     if algorithm == "ring" and not compressor.linear:

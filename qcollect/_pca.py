@@ -117,8 +117,7 @@ def _spectrum(samples, slice_size, slices):
     scaled, so samples that could push the covariance or its trace past
     ``2**OVERFLOW_EXPONENT`` are first scaled down by a power of two, undone
     exactly on the mean; the eigensolver scales its input itself (LAPACK's
-    ``syevd``). Other samples take the unscaled branch of a `lax.cond`
-    (bit-identical results; a fit is rare, so the branch costs little).
+    ``syevd``). Other samples keep the plain result (`unless_overflow`).
     """
     rows = _sample_slices(samples, slice_size, slices)
     # |centred| < 2**(E + 1); sums of R products (the covariance) and of K
@@ -126,15 +125,11 @@ def _spectrum(samples, slice_size, slices):
     spread = 2 + max(_bit_length(rows.shape[0]), _bit_length(slice_size))
     e = jnp.clip((OVERFLOW_EXPONENT - spread) // 2 - _max_exponent(rows), -126, 0)
 
-    def scaled(samples, e):
-        mean, eigvecs, energy = _eig(rescale(_sample_slices(samples, slice_size, slices), e))
+    def scaled(rows, e):
+        mean, eigvecs, energy = _eig(rescale(rows, e))
         return rescale(mean, -e), eigvecs, energy
 
-    def plain(samples, e):
-        del e
-        return _eig(_sample_slices(samples, slice_size, slices))
-
-    return jax.lax.cond(e == 0, plain, scaled, samples, e)
+    return unless_overflow(_eig(rows), scaled, rows, e, overflowed=e != 0)
 
 
 def _eig(rows):

@@ -312,7 +312,7 @@ def _matmul(a, b, transpose_a=False, transpose_b=False):
                        precision=_HIGHEST)
     overflowed = None
     if plain.size > a.size + b.size:
-        overflowed = jnp.any(_excess(a, b, transpose_a) > 0)
+        overflowed = jnp.any(_excess(*_exponents(a, b), a, transpose_a) > 0)
     rescaled = functools.partial(_scaled_matmul, transpose_a=transpose_a,
                                  transpose_b=transpose_b)
     return unless_overflow(plain, rescaled, a, b, overflowed=overflowed)
@@ -329,10 +329,10 @@ def _exponents(a, b):
     return ea, eb
 
 
-def _excess(a, b, transpose_a):
+def _excess(ea, eb, a, transpose_a):
     """Per matrix, how many binary orders the partial sums of ``a @ b`` could
-    pass ``2**OVERFLOW_EXPONENT`` by: ``e_a + e_b + bits(k)`` bounds them."""
-    ea, eb = _exponents(a, b)
+    pass ``2**OVERFLOW_EXPONENT`` by: ``e_a + e_b + bits(k)`` bounds them
+    (`_exponents`)."""
     length = a.shape[-2] if transpose_a else a.shape[-1]
     return jnp.maximum(ea + eb + int(length).bit_length() - OVERFLOW_EXPONENT, 0)
 
@@ -345,7 +345,7 @@ def _scaled_matmul(a, b, transpose_a, transpose_b):
     float32 maximum where the true entry is larger).
     """
     ea, eb = _exponents(a, b)
-    excess = _excess(a, b, transpose_a)
+    excess = _excess(ea, eb, a, transpose_a)
     first = jnp.minimum(excess, jnp.abs(ea - eb))
     big = first + (excess - first + 1) // 2       # at most 81: exact_pow2 stays exact
     ra = jnp.where(ea >= eb, big, excess - big)

@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from qcollect._buckets import UNROLL_BUCKETS, check_unroll
+from qcollect._buckets import UNROLL_BUCKETS, loops
+from qcollect._config import check_int
 from qcollect._layout import BUCKET_BYTES, plan_segments
 from qcollect._vma import cast_varying
 
@@ -258,7 +259,7 @@ def ring_all_reduce(x, axis_name, *, bucket_bytes: int | None = BUCKET_BYTES,
     leaves = [jnp.asarray(leaf) for leaf in leaves]
     out = [None] * len(leaves)
     n = _ring_size(axis_name)
-    unroll_buckets = check_unroll(unroll_buckets)
+    unroll_buckets = check_int("unroll_buckets", unroll_buckets, low=0, allow_none=True)
 
     def reduce_bucket(chunks):
         flat = chunks.reshape(-1)
@@ -269,8 +270,7 @@ def ring_all_reduce(x, axis_name, *, bucket_bytes: int | None = BUCKET_BYTES,
 
     for seg in plan_segments(leaves, n=n, bucket_bytes=bucket_bytes):
         # Equal buckets run in one loop (see `qcollect._buckets`).
-        parts = [lax.map(reduce_bucket, part)
-                 if unroll_buckets is not None and part.shape[0] > max(unroll_buckets, 1)
+        parts = [lax.map(reduce_bucket, part) if loops(part.shape[0], unroll_buckets)
                  else jnp.stack([reduce_bucket(bucket) for bucket in part])
                  for part in seg.bucketed(leaves)]
         for m, leaf in zip(seg.members, seg.unbucketed(parts), strict=True):

@@ -125,7 +125,7 @@ def test_ring_all_reduce_of_many_buckets():
 
 @pytest.mark.parametrize("value", [-1, 1.5, True, "16"])
 def test_unroll_buckets_is_checked(value):
-    with pytest.raises(ValueError, match="unroll_buckets must be None or an int"):
+    with pytest.raises(ValueError, match="unroll_buckets must be an integer"):
         _reduce(ONEBIT, CAP, unroll_buckets=value)(_tree(SMALL))
 
 
