@@ -139,14 +139,18 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
         re-encoding.
       unroll_buckets: equal buckets (the full buckets of fused leaves, or
         leaves of one shape reduced on their own) form a class; a class of
-        at most this many buckets (default 64: 256 MiB of float32) is traced
-        once per bucket, a longer one runs as one `lax.map` loop, so the
-        program holds one copy of the algorithm per class and its size and
-        compile time stop growing with the model. XLA:CPU runs the loop
-        body up to about 2x slower than the traced copies
-        (`docs/benchmarks.md`, "Compile time and program size"). 0: loop
-        every class of two or more; None: never loop. Values, wire bytes
-        and random streams are the same either way.
+        more than this many buckets runs as one batch (`jax.vmap` over its
+        buckets: each hop one message for all of them), so the program
+        holds one copy of the algorithm per class and its compile time
+        stops growing with the number of buckets; a smaller class is traced
+        once per bucket. Default 0 (`qc.UNROLL_BUCKETS`): batch every class
+        of two or more, the fastest across processes (`docs/benchmarks.md`,
+        "Compile time and program size"); the batch holds the class's
+        intermediates at once (more scratch memory than traced). None:
+        never batch (the program grows with the model; on one CPU process
+        1-bit runs about 1.4x faster so). Values, wire bytes and random
+        streams are the same either way, except that a constant payload
+        array (PCA's weight) is sent once per batch, not once per bucket.
 
     Returns:
       `AllReduceResult` ``(value, contributed, owner_error)``, each like ``x``

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from qcollect._buckets import UNROLL_BUCKETS, loops
+from qcollect._buckets import UNROLL_BUCKETS, batched
 from qcollect._config import check_int
 from qcollect._layout import BUCKET_BYTES, plan_segments
 from qcollect._vma import cast_varying
@@ -237,8 +237,9 @@ def ring_all_reduce(x, axis_name, *, bucket_bytes: int | None = BUCKET_BYTES,
         size or more runs its own ring, without a concatenation copy. None:
         one ring per dtype.
       unroll_buckets: a run of more than this many equal buckets of one
-        fused dtype runs as one `lax.map` loop (as in
-        `compressed_all_reduce`); None: never.
+        fused dtype runs as one batch, each hop one message for all of them
+        (as in `compressed_all_reduce`; default 0: every run of two or more);
+        None: never.
 
     Returns:
       The sum over devices, same structure, shapes and dtypes as ``x``,
@@ -269,8 +270,8 @@ def ring_all_reduce(x, axis_name, *, bucket_bytes: int | None = BUCKET_BYTES,
                                     axis_name).reshape(chunks.shape)
 
     for seg in plan_segments(leaves, n=n, bucket_bytes=bucket_bytes):
-        # Equal buckets run in one loop (see `qcollect._buckets`).
-        parts = [lax.map(reduce_bucket, part) if loops(part.shape[0], unroll_buckets)
+        # Equal buckets run as one batch (see `qcollect._buckets`).
+        parts = [jax.vmap(reduce_bucket)(part) if batched(part.shape[0], unroll_buckets)
                  else jnp.stack([reduce_bucket(bucket) for bucket in part])
                  for part in seg.bucketed(leaves)]
         for m, leaf in zip(seg.members, seg.unbucketed(parts), strict=True):

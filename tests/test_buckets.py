@@ -1,12 +1,11 @@
-"""The loop over buckets: equal buckets share one traced copy of the algorithm.
+"""Batched buckets: equal buckets share one traced copy of the algorithm.
 
 A tree of small leaves (a fused segment of many equal buckets and a shorter
-last one) and two equal large leaves (reduced alone, stacked into one loop)
+last one) and two equal large leaves (reduced alone, stacked into one batch)
 is reduced with 1 KiB buckets and as one bucket: the results are the
 same, the program does not grow with the number of buckets once they run
-as a loop (``unroll_buckets=0``; by default only classes of more than 64
-buckets do), and the wire bytes count every bucket, looped or traced once
-per bucket.
+as a batch (``unroll_buckets=0``, the default), and the wire bytes count
+every bucket, batched or traced once per bucket (``unroll_buckets=None``).
 """
 
 import functools
@@ -42,7 +41,7 @@ def _reduce(compressor, cap, **kw):
     return per_device(fn, N)
 
 
-def test_the_layout_has_a_loop_of_equal_buckets_and_a_class_of_equal_leaves():
+def test_the_layout_has_a_class_of_equal_buckets_and_a_class_of_equal_leaves():
     leaves = [jnp.zeros(s) for s in SMALL + LARGE]
     segments = plan_segments(leaves, ONEBIT.grouping, ONEBIT.block, N, bucket_bytes=CAP)
     assert [seg.members for seg in segments] == [(0, 1, 2, 3, 4, 5), (6,), (7,)]
@@ -50,18 +49,18 @@ def test_the_layout_has_a_loop_of_equal_buckets_and_a_class_of_equal_leaves():
     assert segments[1].parts == segments[2].parts == ((1, 19),)
 
 
-@pytest.mark.parametrize("unroll", [0, None], ids=["loop", "unrolled"])
+@pytest.mark.parametrize("unroll", [0, None], ids=["batch", "unrolled"])
 def test_buckets_give_the_results_of_one_bucket(unroll):
     """1-bit statistics are per 16-value group: where a group lands (which
     bucket, which device) changes nothing but the order in which the owner
     adds the decoded payloads (rounding)."""
     algorithm = "pairwise"
     tree = _tree(SMALL + LARGE)
-    looped = _reduce(ONEBIT, CAP, algorithm=algorithm, unroll_buckets=unroll)(tree)
+    batch = _reduce(ONEBIT, CAP, algorithm=algorithm, unroll_buckets=unroll)(tree)
     single = _reduce(ONEBIT, None, algorithm=algorithm)(tree)
     # value and contributed per device; the owner errors sit at the chunks
     # each device owns, which the layout decides: their sum over devices.
-    for k, (a_tree, b_tree) in enumerate(zip(looped, single, strict=True)):
+    for k, (a_tree, b_tree) in enumerate(zip(batch, single, strict=True)):
         for a, b in zip(a_tree, b_tree, strict=True):
             a, b = np.asarray(a), np.asarray(b)
             if k == 2:
@@ -69,21 +68,36 @@ def test_buckets_give_the_results_of_one_bucket(unroll):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_the_loop_draws_what_the_unrolled_program_draws():
-    """QSGD: a bucket's random stream does not depend on whether its class runs
-    as a loop, so both programs give the same values (up to rounding)."""
-    c = qc.qsgd(bits=2, bucket_size=16)
+def _pca16():
+    basis = np.linalg.qr(np.random.default_rng(0).standard_normal((16, 4)))[0]
+    return qc.pca(basis.astype(np.float32), np.full(16, 0.1, np.float32), num_workers=N)
+
+
+@pytest.mark.parametrize("compressor, algorithm", [
+    (qc.qsgd(bits=2, bucket_size=16), "pairwise"),
+    (qc.qsgd(bits=4, bucket_size=16), "ring_requantize"),
+    (qc.identity(), "ring"),
+    (_pca16(), "ring"),
+    (qc.adaptive(4.0), "pairwise"),
+], ids=["qsgd-pairwise", "qsgd-ring_requantize", "identity-ring", "pca-ring",
+        "adaptive-column-pairwise"])
+def test_the_batch_computes_what_the_unrolled_program_computes(compressor, algorithm):
+    """Every algorithm: a bucket's random stream and its decode do not depend
+    on whether its class runs as a batch, so both programs give the same
+    value, contributed and owner error (up to rounding)."""
     tree = _tree(SMALL + LARGE)
-    looped, unrolled = (_reduce(c, CAP, unroll_buckets=u)(tree) for u in (0, None))
-    for a, b in zip(jax.tree.leaves(looped), jax.tree.leaves(unrolled), strict=True):
+    batch, unrolled = (_reduce(compressor, CAP, algorithm=algorithm, unroll_buckets=u)(tree)
+                       for u in (0, None))
+    for a, b in zip(jax.tree.leaves(batch), jax.tree.leaves(unrolled), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert len(jax.tree.leaves(batch)) == len(tree) * (3 if algorithm == "pairwise" else 2)
 
 
 def test_stochastic_buckets_draw_independent_streams_and_stay_unbiased():
-    """QSGD through the loop: equal data in two buckets is coded with
+    """QSGD through a batch: equal data in two buckets is coded with
     different random draws; averaged over keys the sum is unbiased."""
     row = jax.random.normal(jax.random.key(3), (N, 64))
-    tree = [row, row]  # two equal leaves: two equal large-leaf buckets in one loop
+    tree = [row, row]  # two equal leaves: two equal large-leaf buckets in one batch
     c = qc.qsgd(bits=2, bucket_size=16)
     fn = per_device(lambda t, k: qc.compressed_all_reduce(t, "d", c, k, bucket_bytes=128,
                                                           unroll_buckets=0).value, N)
@@ -99,13 +113,13 @@ def _collective_ops(fn, tree) -> int:
     return sum(text.count(f" {op}(") for op in ("collective-permute", "all-gather"))
 
 
-def test_the_program_does_not_grow_with_the_buckets_of_a_loop():
+def test_the_program_does_not_grow_with_the_buckets_of_a_batch():
     # 2 full buckets and a last one, or 7 and a last one of the same shape
-    looped = _reduce(ONEBIT, CAP, algorithm="pairwise", unroll_buckets=0)
-    ops = _collective_ops(looped, _tree(SMALL))
-    assert ops == _collective_ops(looped, _tree(SMALL * 3)) > 0
+    batch = _reduce(ONEBIT, CAP, algorithm="pairwise", unroll_buckets=0)
+    ops = _collective_ops(batch, _tree(SMALL))
+    assert ops == _collective_ops(batch, _tree(SMALL * 3)) > 0
     # a class of up to unroll_buckets is traced once per bucket: 7 full buckets
-    # are, with unroll_buckets=7, and run as the loop with 6
+    # are, with unroll_buckets=7, and run as one batch with 6
     unrolled = _reduce(ONEBIT, CAP, algorithm="pairwise", unroll_buckets=7)
     assert _collective_ops(unrolled, _tree(SMALL * 3)) > _collective_ops(unrolled, _tree(SMALL))
     six = _reduce(ONEBIT, CAP, algorithm="pairwise", unroll_buckets=6)
@@ -113,7 +127,7 @@ def test_the_program_does_not_grow_with_the_buckets_of_a_loop():
 
 
 def test_ring_all_reduce_of_many_buckets():
-    """ring_all_reduce loops equal buckets too: exact sums either way."""
+    """ring_all_reduce batches equal buckets too: exact sums either way."""
     tree = _tree(SMALL * 3)
     for unroll in (0, None):
         fn = per_device(lambda t, u=unroll: qc.ring_all_reduce(t, "d", bucket_bytes=CAP,
@@ -129,7 +143,7 @@ def test_unroll_buckets_is_checked(value):
         _reduce(ONEBIT, CAP, unroll_buckets=value)(_tree(SMALL))
 
 
-@pytest.mark.parametrize("unroll", [0, None], ids=["loop", "unrolled"])
+@pytest.mark.parametrize("unroll", [0, None], ids=["batch", "unrolled"])
 @pytest.mark.parametrize("compressor", [ONEBIT, qc.qsgd(bits=4, bucket_size=16)])
 def test_wire_bytes_count_every_bucket(compressor, unroll):
     tree = _tree(SMALL + LARGE)

@@ -250,6 +250,8 @@ def test_bad_config():
     for bad in (-1, 2.5, "4MiB"):
         with pytest.raises(ValueError, match="bucket_bytes"):
             _tx(qc.identity(), key=jax.random.key(0), bucket_bytes=bad)
+        with pytest.raises(ValueError, match="unroll_buckets"):
+            _tx(qc.identity(), key=jax.random.key(0), unroll_buckets=bad)
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="pipeline"):
             _tx(qc.identity(), key=jax.random.key(0), pipeline=bad)
@@ -270,6 +272,23 @@ def test_pipeline_pieces_keep_the_update_and_residuals():
     for a, b in zip(jax.tree.leaves((p1, s1[0].residual)), jax.tree.leaves((p3, s3[0].residual)),
                     strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5)
+
+
+def test_batched_buckets_keep_the_update_and_residuals():
+    """64-byte buckets cut the kernel and bias into a class of equal buckets:
+    batched (the default) or traced bucket by bucket, the same parameters,
+    residuals (both levels) and losses after a few steps."""
+    def run(unroll):
+        tx = optax.chain(_tx(qc.qsgd(bits=4, bucket_size=4), key=jax.random.key(0),
+                             algorithm="pairwise", bucket_bytes=64, unroll_buckets=unroll),
+                         optax.sgd(0.05))
+        return _run(tx, 3)
+
+    (pb, sb, lb), (pt, st, lt) = run(0), run(None)
+    np.testing.assert_allclose(lb, lt, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves((pb, sb[0].residual, sb[0].owner_residual)),
+                    jax.tree.leaves((pt, st[0].residual, st[0].owner_residual)), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("bucket_bytes, rings", [(None, 1), (0, 2)])

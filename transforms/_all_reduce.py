@@ -58,7 +58,9 @@ def compressed_all_reduce(axis_name, *, compressor: CompressorSpec, key: jax.Arr
                           algorithm: str = "auto", min_size: int = 0,
                           compress_if: Callable | None = None,
                           fuse: bool = True, bucket_bytes: int | None = qc.BUCKET_BYTES,
-                          pipeline: int = 1) -> optax.GradientTransformation:
+                          pipeline: int = 1,
+                          unroll_buckets: int | None = qc.UNROLL_BUCKETS
+                          ) -> optax.GradientTransformation:
     """All-reduce the gradients through ``compressor``, with error feedback.
 
     Each step, on every device: ``input = g + residual`` (float32); the
@@ -116,6 +118,9 @@ def compressed_all_reduce(axis_name, *, compressor: CompressorSpec, key: jax.Arr
       pipeline: pieces per device's chunk, each reduced by its own chain of
         collectives (`qcollect.compressed_all_reduce`; 1, the default, is
         the fastest measured on the CPU backend).
+      unroll_buckets: classes of equal buckets longer than this run as one
+        batch (default 0: all of them); None traces the algorithm once per
+        bucket. See `qcollect.compressed_all_reduce`.
 
     Returns:
       An ``optax.GradientTransformation``; ``update(grads, state, params=None)``.
@@ -132,9 +137,10 @@ def compressed_all_reduce(axis_name, *, compressor: CompressorSpec, key: jax.Arr
     """
     if algorithm not in ("auto",) + qc.ALGORITHMS:
         raise ValueError(f"algorithm must be one of {('auto',) + qc.ALGORITHMS}, got {algorithm!r}")
-    if bucket_bytes is not None and (isinstance(bucket_bytes, bool)
-                                     or not isinstance(bucket_bytes, int) or bucket_bytes < 0):
-        raise ValueError(f"bucket_bytes must be None or an integer >= 0, got {bucket_bytes!r}")
+    for name, value in (("bucket_bytes", bucket_bytes), ("unroll_buckets", unroll_buckets)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 0):
+            raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
     if isinstance(pipeline, bool) or not isinstance(pipeline, int) or pipeline < 1:
         raise ValueError(f"pipeline must be an integer >= 1, got {pipeline!r}")
     if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
@@ -190,7 +196,7 @@ def compressed_all_reduce(axis_name, *, compressor: CompressorSpec, key: jax.Arr
             result = qc.compressed_all_reduce(
                 xs, axis_name, c, jax.random.fold_in(step_key, g), algorithm=algorithm,
                 mean=mean, fuse=fuse, bucket_bytes=bucket_bytes, pipeline=pipeline,
-                owner_residual=owner_in)
+                owner_residual=owner_in, unroll_buckets=unroll_buckets)
             for j, i in enumerate(members):
                 out[i] = result.value[j]
                 if error_feedback:

@@ -6,12 +6,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend.core import Var
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
 from qcollect.bench._timing import interleaved_medians
 from qcollect.bench.collectives import _pca_for, _structured
+from qcollect.bench.compile import parse_unroll
 
 MIB = 1 << 20
 #: Methods without a codec: their transport is themselves.
@@ -34,11 +36,22 @@ def transport_only(compressor: qc.Compressor) -> qc.Compressor:
     """
 
     def encode(x, key=None, **kwargs):
+        def real(x):
+            return compressor.encode(x, jax.random.key(0), **kwargs).arrays
+
         template = jax.eval_shape(lambda x: compressor.encode(x, jax.random.key(0), **kwargs), x)
+        order = [path[0].key for path, _ in
+                 jax.tree_util.tree_flatten_with_path(template.arrays)[0]]
+        constant = dict(zip(order, _constant_outputs(jax.make_jaxpr(real)(x)), strict=True))
         flat = jnp.ravel(x)
         arrays = {}
         for k, (name, leaf) in enumerate(template.arrays.items()):
             count = int(np.prod(leaf.shape))
+            if constant[name]:
+                # A constant of the real payload (PCA's weight) stays one: in a batch
+                # of buckets it is sent once, as the real one is.
+                arrays[name] = jnp.full(leaf.shape, k, leaf.dtype)
+                continue
             values = jnp.resize(flat, (count,)) if flat.size else jnp.zeros((count,), flat.dtype)
             # + k: arrays of one shape must differ, or XLA sends one for both.
             arrays[name] = (values + k).astype(leaf.dtype).reshape(leaf.shape)
@@ -55,14 +68,39 @@ def transport_only(compressor: qc.Compressor) -> qc.Compressor:
                          grouping=compressor.grouping, masks_padding=compressor.masks_padding)
 
 
-def _reducer(method: str, size: int, n: int, transport: bool = False):
+def _in_leaves(reduce, leaves: int):
+    """``reduce`` of ``v`` cut into ``leaves`` equal leaves (a list), the sums
+    joined back into one vector."""
+    if leaves == 1:
+        return reduce
+    return lambda v: jnp.concatenate(reduce(list(v.reshape(leaves, -1))))
+
+
+def _constant_outputs(closed) -> list[bool]:
+    """For each output of a closed jaxpr (in `jax.tree`'s order of its
+    leaves), whether it depends on none of the inputs."""
+    jaxpr = closed.jaxpr
+    varying = set(map(id, jaxpr.invars))
+    for eqn in jaxpr.eqns:
+        if any(id(v) in varying for v in eqn.invars if isinstance(v, Var)):
+            varying.update(map(id, eqn.outvars))
+    return [not (isinstance(v, Var) and id(v) in varying) for v in jaxpr.outvars]
+
+
+def _reducer(method: str, size: int, n: int, transport: bool = False, leaves: int = 1,
+             bucket_bytes: int = qc.BUCKET_BYTES):
     """``v -> estimate of the sum over every device`` for one method: over axis
     ``"d"``, or hierarchically over `NODE_AXES` for ``METHOD/h`` (``transport``:
-    the same collectives without the codec, `transport_only`)."""
+    the same collectives without the codec, `transport_only`), with ``v`` cut
+    into ``leaves`` equal leaves and reduced in buckets of ``bucket_bytes``. A
+    suffix ``@U`` sets ``unroll_buckets``."""
+    method, at, unroll_text = method.partition("@")
+    unroll = parse_unroll(unroll_text) if at else qc.UNROLL_BUCKETS
     if method == "psum":
-        return lambda v: lax.psum(v, "d")
+        return _in_leaves(lambda v: lax.psum(v, "d"), leaves)
     if method == "ring":
-        return lambda v: qc.ring_all_reduce(v, "d")
+        return _in_leaves(lambda v: qc.ring_all_reduce(
+            v, "d", bucket_bytes=bucket_bytes, unroll_buckets=unroll), leaves)
     axes = "d"
     if method.endswith(HIERARCHICAL):
         method, axes = method[:-len(HIERARCHICAL)], NODE_AXES
@@ -80,22 +118,25 @@ def _reducer(method: str, size: int, n: int, transport: bool = False):
         c = transport_only(c)
     key = jax.random.key(0)
     pipeline = int(pieces or 1)
-    return lambda v: qc.compressed_all_reduce(v, axes, c, key, algorithm=algorithm,
-                                              pipeline=pipeline).value
+    return _in_leaves(lambda v: qc.compressed_all_reduce(
+        v, axes, c, key, algorithm=algorithm, pipeline=pipeline, bucket_bytes=bucket_bytes,
+        unroll_buckets=unroll).value, leaves)
 
 
-def with_pipelines(methods: list[str], pipelines: list[int],
-                   hierarchical: bool = False) -> list[str]:
+def variants(methods: list[str], pipelines: list[int], hierarchical: bool = False,
+             unrolls: tuple[str, ...] = ()) -> list[str]:
     """Every compressed method once per pipeline count: ``onebit`` for 1,
     ``onebit/p4`` for 4 (uncompressed methods once); with ``hierarchical``
-    also ``onebit/h`` over `NODE_AXES`."""
+    also ``onebit/h`` over `NODE_AXES`; with ``unrolls`` (``"0"``, ``"none"``)
+    each of those once per ``unroll_buckets``, as ``onebit@0``, ``onebit@none``."""
     out = []
     for m in methods:
         if m in UNCOMPRESSED:
             out.append(m)
-        else:
-            out += [m if p == 1 else f"{m}/p{p}" for p in pipelines]
-            out += [m + HIERARCHICAL] if hierarchical else []
+            continue
+        named = [m if p == 1 else f"{m}/p{p}" for p in pipelines]
+        named += [m + HIERARCHICAL] if hierarchical else []
+        out += [f"{v}@{u}" for v in named for u in unrolls] if unrolls else named
     return out
 
 
@@ -150,9 +191,11 @@ def across_nodes(fn, x, grid) -> int:
     return qc.bytes_along(qc.wire_bytes_by_axis(fn, x, mesh=grid), NODE_AXES[0])
 
 
-def _values(mib: float) -> int:
-    """float32 values in ``mib`` MiB, a multiple of 64 (PCA's slices), at least 64."""
-    return max(64, int(round(mib * MIB / 4 / 64)) * 64)
+def _values(mib: float, leaves: int = 1) -> int:
+    """float32 values in ``mib`` MiB, a multiple of 64 (PCA's slices) per leaf,
+    at least 64 per leaf."""
+    unit = 64 * leaves
+    return max(unit, int(round(mib * MIB / 4 / unit)) * unit)
 
 
 def _mapped(fn, mesh):
@@ -167,8 +210,11 @@ def _local_row(x: jax.Array) -> np.ndarray:
     return np.asarray(x.addressable_shards[0].data, np.float64)[0]
 
 
-def measure(sizes_mib: list[float], methods: list[str], repeats: int) -> list[dict] | None:
-    """Times every method at every size; the rows on process 0, None elsewhere."""
+def measure(sizes_mib: list[float], methods: list[str], repeats: int,
+            leaves: int = 1, bucket_bytes: int = qc.BUCKET_BYTES) -> list[dict] | None:
+    """Times every method at every size (each process's buffer cut into
+    ``leaves`` equal leaves, reduced in buckets of ``bucket_bytes``); the rows
+    on process 0, None elsewhere."""
     n = jax.device_count()
     if n < 2:
         raise ValueError("the network benchmark needs at least 2 devices, got 1")
@@ -182,13 +228,14 @@ def measure(sizes_mib: list[float], methods: list[str], repeats: int) -> list[di
               "interleaved runs", flush=True)
         print(table_header(nodes=grid is not None), flush=True)
     for mib in sizes_mib:
-        size = _values(mib)
+        size = _values(mib, leaves)
         x = _buffers(size, mesh)
         xg = None if grid is None else _buffers(size, grid)
 
         def call(m, transport=False, size=size, x=x, xg=xg):
-            on_grid = m.endswith(HIERARCHICAL)
-            return (_mapped(_reducer(m, size, n, transport), grid if on_grid else mesh),
+            on_grid = m.partition("@")[0].endswith(HIERARCHICAL)
+            return (_mapped(_reducer(m, size, n, transport, leaves, bucket_bytes),
+                            grid if on_grid else mesh),
                     (xg if on_grid else x,))
 
         calls = {m: call(m) for m in ["psum"] + [m for m in methods if m != "psum"]}
@@ -208,7 +255,7 @@ def measure(sizes_mib: list[float], methods: list[str], repeats: int) -> list[di
         for m in methods:
             transport = seconds.get(f"{m} transport", seconds[m])
             row = {"processes": jax.process_count(), "devices": n, "mib": mib,
-                   "values": size, "method": m, "median_ms": 1e3 * seconds[m],
+                   "values": size, "leaves": leaves, "method": m, "median_ms": 1e3 * seconds[m],
                    "speedup_vs_psum": seconds["psum"] / seconds[m],
                    "wire_bytes": wire[m], "wire_vs_psum": link["psum"] / link[m],
                    "transport_ms": 1e3 * transport, "relative_error": errors[m]}

@@ -15,13 +15,15 @@ Nothing is allocated: the program is lowered from ``jax.ShapeDtypeStruct`` value
 with shardings and compiled, never run. Each method and size reports the
 wall seconds of ``lower`` (tracing included) and of ``compile``, the size of
 the lowered StableHLO text and of the optimised HLO text
-(``compiled.as_text()``).
+(``compiled.as_text()``), and XLA's scratch memory of one device's step
+(``compiled.memory_analysis().temp_size_in_bytes``: intermediates, not
+counting the gradients in and the sums out).
 
 Methods are ``METHOD`` or ``METHOD/ALGORITHM`` (``ring``, ``pairwise``,
 ``ring_requantize``; without one, `compressed_all_reduce`'s ``"auto"``:
 ring for linear compressors, else pairwise), e.g. ``qsgd-4/ring_requantize``,
 with an optional ``@U`` for `compressed_all_reduce`'s ``unroll_buckets``
-(``qsgd-4@0``: every class of equal buckets as a loop; ``qsgd-4@none``: one
+(``qsgd-4@0``: every class of equal buckets as one batch; ``qsgd-4@none``: one
 traced copy per bucket), so both programs compare side by side.
 
 Each method's sizes are compiled, smallest first, by one worker process that
@@ -93,7 +95,7 @@ def parse_method(method: str, devices: int = 2):
     ``METHOD[/ALGORITHM][@UNROLL]``.
 
     ``@UNROLL`` sets `compressed_all_reduce`'s ``unroll_buckets``: an int
-    (``@0``: every class of equal buckets runs as a loop) or ``@none`` (the
+    (``@0``: every class of equal buckets runs as one batch) or ``@none`` (the
     program traced once per bucket); without it, the default.
 
     Raises:
@@ -114,12 +116,10 @@ def parse_method(method: str, devices: int = 2):
         return None, None, None
     unroll = qc.UNROLL_BUCKETS
     if at:
-        if unroll_text == "none":
-            unroll = None
-        elif unroll_text.isdigit():
-            unroll = int(unroll_text)
-        else:
-            raise ValueError(f"unroll in {method!r} must be an int >= 0 or 'none'")
+        try:
+            unroll = parse_unroll(unroll_text)
+        except ValueError:
+            raise ValueError(f"unroll in {method!r} must be an int >= 0 or 'none'") from None
     algorithm = algorithm or "auto"
     if algorithm != "auto" and algorithm not in qc.ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r} in {method!r}; "
@@ -128,6 +128,15 @@ def parse_method(method: str, devices: int = 2):
     if algorithm == "ring" and not compressor.linear:
         raise ValueError(f"{method!r}: the compressed-domain ring needs a linear compressor")
     return compressor, algorithm, unroll
+
+
+def parse_unroll(text: str) -> int | None:
+    """A method's ``@U`` suffix as ``unroll_buckets``: an int >= 0, or None for ``none``."""
+    if text == "none":
+        return None
+    if not text.isdigit():
+        raise ValueError(f"unroll_buckets must be an int >= 0 or 'none', got {text!r}")
+    return int(text)
 
 
 def block_params(width: int) -> int:
@@ -187,6 +196,10 @@ def _lower_and_compile(mesh, method: str, blocks: int, width: int, runs: int = 0
     record = {"lower_s": lowered_at - start, "compile_s": compiled_at - lowered_at,
               "stablehlo_bytes": len(lowered.as_text()), "hlo_bytes": len(hlo),
               "hlo_lines": hlo.count("\n")}
+    memory = compiled.memory_analysis()
+    if memory is not None:
+        # Per device: XLA's scratch buffers of the step (intermediates).
+        record["temp_bytes"] = int(memory.temp_size_in_bytes)
     if runs:
         grads = jax.tree.map(
             lambda s: jax.device_put(jax.random.normal(jax.random.key(0), s.shape), varying),
@@ -298,7 +311,9 @@ def _cell(record: dict, field: str = "compile_s") -> str:
         return "skipped"
     if "error" in record:
         return "error"
-    value = record[field]
+    value = record.get(field)
+    if value is None:  # no memory analysis from this backend
+        return ""
     if field.endswith("_bytes"):
         return f"{value / 1e6:.2f}"
     return f"{value:.2f}"
@@ -319,13 +334,13 @@ def tables(rows: list[dict], methods: list[str], devices: int) -> str:
     for m in methods:
         out += ["", f"## {m}", "",
                 "| parameters | leaves | lower s | compile s | StableHLO MB "
-                "| optimised HLO MB |" + (" step ms |" if stepped else ""),
-                "|---:|---:|---:|---:|---:|---:|" + ("---:|" if stepped else "")]
+                "| optimised HLO MB | scratch MB |" + (" step ms |" if stepped else ""),
+                "|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if stepped else "")]
         for params, leaves, blocks in sizes:
             r = by.get((blocks, m))
             if r is None:
                 continue
-            fields = ("lower_s", "compile_s", "stablehlo_bytes", "hlo_bytes") + (
+            fields = ("lower_s", "compile_s", "stablehlo_bytes", "hlo_bytes", "temp_bytes") + (
                 ("step_ms",) if stepped else ())
             cells = [_cell(r, f) for f in fields]
             if "lower_s" not in r:
@@ -389,7 +404,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="comma-separated METHOD or METHOD/ALGORITHM, METHOD one of "
                         f"{', '.join(METHODS)}, ALGORITHM one of ring, pairwise, "
                         f"ring_requantize; a suffix @U sets unroll_buckets (an int, or "
-                        f"@none: never loop) (default {','.join(DEFAULT_METHODS)})")
+                        f"@none: never batch) (default {','.join(DEFAULT_METHODS)})")
     p.add_argument("--width", type=int, default=512,
                    help="model width d: blocks of d x d, d x 4d, 4d x d, d (default 512)")
     p.add_argument("--devices", type=int, default=8,

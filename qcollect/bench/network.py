@@ -101,6 +101,18 @@ def _parser() -> argparse.ArgumentParser:
                    help="comma-separated pipeline counts (compressed_all_reduce's pipeline=): "
                         "each compressed method is measured once per count, as METHOD/pN "
                         "(default 1)")
+    p.add_argument("--leaves", type=int, default=1,
+                   help="cut each process's buffer into this many equal leaves (a list), so "
+                        "that a buffer of several buckets is a class of equal leaves "
+                        "(default 1: one array)")
+    p.add_argument("--bucket-mib", type=float, default=4.0,
+                   help="bucket size in MiB (compressed_all_reduce's and ring_all_reduce's "
+                        "bucket_bytes; default 4)")
+    p.add_argument("--unroll", default="",
+                   help="comma-separated unroll_buckets values (ints >= 0 or 'none'): each "
+                        "compressed method is measured once per value, as METHOD@U, so a "
+                        "batch of equal buckets (@0) and the program traced bucket by bucket "
+                        "(@none) run side by side (default: the library's default only)")
     p.add_argument("--repeats", type=int, default=7,
                    help="timed repetitions per size, medians reported (default 7)")
     p.add_argument("--swap-probe", action="store_true",
@@ -138,6 +150,15 @@ def _parse(argv) -> argparse.Namespace:
         parser.error(f"--pipeline must be comma-separated positive integers, got {args.pipeline!r}")
     if not args.pipeline or min(args.pipeline) < 1:
         parser.error(f"--pipeline must be comma-separated positive integers, got {args.pipeline!r}")
+    args.unroll = tuple(dict.fromkeys(u.strip() for u in args.unroll.split(",") if u.strip()))
+    bad = [u for u in args.unroll if u != "none" and not u.isdigit()]
+    if bad:
+        parser.error(f"--unroll must be comma-separated ints >= 0 or 'none', got {bad}")
+    if not (math.isfinite(args.bucket_mib) and args.bucket_mib > 0):
+        parser.error(f"--bucket-mib must be a positive number, got {args.bucket_mib}")
+    args.bucket_bytes = max(1, int(args.bucket_mib * 2**20))
+    if args.leaves < 1:
+        parser.error(f"--leaves must be a positive integer, got {args.leaves}")
     if args.repeats < 1:
         parser.error("--repeats must be a positive integer")
     if args.devices_per_process < 1:
@@ -195,9 +216,10 @@ def main(argv: list[str] | None = None) -> int:
             out.write_text(text + "\n")
             print(f"wrote {out}", flush=True)
         return 0
-    methods = _network.with_pipelines(args.methods, args.pipeline,
-                                      hierarchical=jax.local_device_count() > 1)
-    rows = _network.measure(args.sizes, methods, args.repeats)
+    methods = _network.variants(args.methods, args.pipeline,
+                                hierarchical=jax.local_device_count() > 1, unrolls=args.unroll)
+    rows = _network.measure(args.sizes, methods, args.repeats, leaves=args.leaves,
+                            bucket_bytes=args.bucket_bytes)
     if rows is not None:  # rank 0
         write(rows, pathlib.Path(args.out), args.bandwidth)
     return 0
