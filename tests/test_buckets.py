@@ -73,23 +73,26 @@ def _pca16():
     return qc.pca(basis.astype(np.float32), np.full(16, 0.1, np.float32), num_workers=N)
 
 
-@pytest.mark.parametrize("compressor, algorithm", [
-    (qc.qsgd(bits=2, bucket_size=16), "pairwise"),
-    (qc.qsgd(bits=4, bucket_size=16), "ring_requantize"),
-    (qc.identity(), "ring"),
-    (_pca16(), "ring"),
-    (qc.adaptive(4.0), "pairwise"),
+@pytest.mark.parametrize("compressor, algorithm, dtype", [
+    (qc.qsgd(bits=2, bucket_size=16), "pairwise", jnp.float32),
+    (qc.qsgd(bits=4, bucket_size=16), "ring_requantize", jnp.float32),
+    (qc.identity(), "ring", jnp.float32),
+    (_pca16(), "ring", jnp.float32),
+    (qc.adaptive(4.0), "pairwise", jnp.float32),
+    (qc.onebit(bucket_size=16), "pairwise", jnp.bfloat16),
 ], ids=["qsgd-pairwise", "qsgd-ring_requantize", "identity-ring", "pca-ring",
-        "adaptive-column-pairwise"])
-def test_the_batch_computes_what_the_unrolled_program_computes(compressor, algorithm):
+        "adaptive-column-pairwise", "onebit-pairwise-bf16"])
+def test_the_batch_computes_what_the_unrolled_program_computes(compressor, algorithm, dtype):
     """Every algorithm: a bucket's random stream and its decode do not depend
     on whether its class runs as a batch, so both programs give the same
     value, contributed and owner error (up to rounding)."""
-    tree = _tree(SMALL + LARGE)
+    tree = [leaf.astype(dtype) for leaf in _tree(SMALL + LARGE)]
     batch, unrolled = (_reduce(compressor, CAP, algorithm=algorithm, unroll_buckets=u)(tree)
                        for u in (0, None))
     for a, b in zip(jax.tree.leaves(batch), jax.tree.leaves(unrolled), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+        assert a.dtype == b.dtype
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=1e-5, atol=1e-6)
     assert len(jax.tree.leaves(batch)) == len(tree) * (3 if algorithm == "pairwise" else 2)
 
 
