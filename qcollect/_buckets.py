@@ -48,14 +48,14 @@ import numpy as np
 
 from qcollect._layout import Segment
 
-__all__ = ["UNROLL_BUCKETS", "batched", "reduce_buckets"]
+__all__ = ["UNROLL_BUCKETS", "reduce_buckets"]
 
 #: Classes of at most this many equal buckets are traced once per bucket;
 #: longer ones are batched. 0: every class of two or more is batched.
 UNROLL_BUCKETS = 0
 
 
-def batched(count: int, unroll: int | None) -> bool:
+def _batched(count: int, unroll: int | None) -> bool:
     """Whether a class of ``count`` equal buckets runs as one batch: more than
     ``unroll`` of them (a single bucket never does; None: never)."""
     return unroll is not None and count > max(unroll, 1)
@@ -73,7 +73,9 @@ class _Run(NamedTuple):
 def _bucket_key(key, segment, bucket, single):
     """The key of one bucket: ``fold_in(key, segment)``, folded again with
     ``bucket`` unless its segment is a single bucket. Static (ints) in an
-    unrolled class, traced in a batch."""
+    unrolled class, traced in a batch. None for no key."""
+    if key is None:
+        return None
     key = jax.random.fold_in(key, segment)
     if isinstance(single, (bool, np.bool_)):
         return key if single else jax.random.fold_in(key, bucket)
@@ -95,7 +97,7 @@ def reduce_buckets(segments: list[Segment], leaves, owners, key, masks_padding: 
       segments: `qcollect._layout.plan_segments` of ``leaves``.
       leaves: the arrays.
       owners: arrays laid out like ``leaves`` (the owner residual), or None.
-      key: this device's PRNG key.
+      key: this device's PRNG key, or None: ``reduce_bucket`` gets None.
       masks_padding: pass each bucket's valid counts (`Segment.bucket_valid`).
       reduce_bucket: ``(data, valid, residual, key, layout) -> (value,
         contributed, owner_error)`` for one bucket: ``data`` and ``residual``
@@ -132,7 +134,7 @@ def reduce_buckets(segments: list[Segment], leaves, owners, key, masks_padding: 
     results: dict[tuple[int, int], tuple] = {}
     for (_, _, _, per_chunk, _), runs in classes.items():
         layout = segments[runs[0].segment].layout(per_chunk)
-        if not batched(sum(r.count for r in runs), unroll):
+        if not _batched(sum(r.count for r in runs), unroll):
             # Traced once per bucket, straight from each run's buckets, with
             # static keys and valid counts.
             for r in runs:

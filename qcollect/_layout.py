@@ -80,7 +80,8 @@ class Segment:
       bucket: rows (or columns) of one device's chunk in a full bucket, or
         None: the segment is one bucket. A segment longer than ``n * bucket``
         is reduced bucket by bucket (`parts`), each bucket cut into ``n``
-        chunks of whole groups; equal buckets run as one loop.
+        chunks of whole groups; equal buckets run as one batch
+        (`qcollect._buckets`).
     """
 
     members: tuple[int, ...]
@@ -295,7 +296,7 @@ def plan_segments(leaves, grouping: str = "element", block: int = 1, n: int = 1,
         together; False (or ``"leaf"`` grouping) gives every leaf its own.
       bucket_bytes: bucket size: fused leaves form one segment per dtype
         (and row width), reduced in buckets of whole groups of at most
-        ``bucket_bytes`` (`Segment.parts`: full buckets run as one loop, so
+        ``bucket_bytes`` (`Segment.parts`: full buckets run as one batch, so
         the program does not grow with the model); a leaf of
         ``bucket_bytes`` or more goes alone, as one bucket (never copied
         into a concatenation). None: one bucket for everything.

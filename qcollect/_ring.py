@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from qcollect._buckets import UNROLL_BUCKETS, batched
+from qcollect._buckets import UNROLL_BUCKETS, reduce_buckets
 from qcollect._config import check_int
 from qcollect._layout import BUCKET_BYTES, plan_segments
 from qcollect._vma import cast_varying
@@ -236,9 +236,10 @@ def ring_all_reduce(x, axis_name, *, bucket_bytes: int | None = BUCKET_BYTES,
       bucket_bytes: bucket size (default 4 MiB); a leaf of that
         size or more runs its own ring, without a concatenation copy. None:
         one ring per dtype.
-      unroll_buckets: a run of more than this many equal buckets of one
-        fused dtype runs as one batch, each hop one message for all of them
-        (as in `compressed_all_reduce`; default 0: every run of two or more);
+      unroll_buckets: a class of more than this many equal buckets (full
+        buckets of fused leaves, leaves of one shape reduced alone) runs as
+        one batch, each hop one message for all of them (as in
+        `compressed_all_reduce`; default 0: every class of two or more);
         None: never.
 
     Returns:
@@ -262,19 +263,19 @@ def ring_all_reduce(x, axis_name, *, bucket_bytes: int | None = BUCKET_BYTES,
     n = _ring_size(axis_name)
     unroll_buckets = check_int("unroll_buckets", unroll_buckets, low=0, allow_none=True)
 
-    def reduce_bucket(chunks):
-        flat = chunks.reshape(-1)
-        if not flat.shape[0]:
-            return jnp.zeros(chunks.shape, chunks.dtype)
-        return all_gather_invariant(ring_reduce_scatter(flat, axis_name),
-                                    axis_name).reshape(chunks.shape)
+    def reduce_bucket(chunks, valid, residual, key, layout):
+        del valid, residual, key, layout
+        summed = all_gather_invariant(ring_reduce_scatter(chunks.reshape(-1), axis_name),
+                                      axis_name)
+        return summed.reshape(chunks.shape), None, None
 
-    for seg in plan_segments(leaves, n=n, bucket_bytes=bucket_bytes):
-        # Equal buckets run as one batch (see `qcollect._buckets`).
-        parts = [jax.vmap(reduce_bucket)(part) if batched(part.shape[0], unroll_buckets)
-                 else jnp.stack([reduce_bucket(bucket) for bucket in part])
-                 for part in seg.bucketed(leaves)]
-        for m, leaf in zip(seg.members, seg.unbucketed(parts), strict=True):
+    # Equal buckets run as one batch, as in `compressed_all_reduce`.
+    segments = plan_segments(leaves, n=n, bucket_bytes=bucket_bytes)
+    reduced = reduce_buckets(segments, leaves, None, None, False, reduce_bucket, unroll_buckets)
+    for seg, (value, _, _) in zip(segments, reduced, strict=True):
+        sums = (seg.unbucketed(value) if seg.length else
+                [jnp.zeros(leaves[m].shape, leaves[m].dtype) for m in seg.members])
+        for m, leaf in zip(seg.members, sums, strict=True):
             out[m] = leaf
     return treedef.unflatten(out)
 

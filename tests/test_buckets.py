@@ -130,8 +130,9 @@ def test_the_program_does_not_grow_with_the_buckets_of_a_batch():
 
 
 def test_ring_all_reduce_of_many_buckets():
-    """ring_all_reduce batches equal buckets too: exact sums either way."""
-    tree = _tree(SMALL * 3)
+    """ring_all_reduce batches equal buckets too (the fused stream's, and the
+    equal large leaves reduced alone): exact sums either way."""
+    tree = _tree(SMALL * 3 + LARGE)
     for unroll in (0, None):
         fn = per_device(lambda t, u=unroll: qc.ring_all_reduce(t, "d", bucket_bytes=CAP,
                                                                unroll_buckets=u), N)

@@ -76,6 +76,7 @@ import subprocess
 import sys
 
 import qcollect.launch
+from qcollect.bench.compile import parse_unroll
 from qcollect.launch._args import parse_rate
 
 METHODS = ("psum", "ring", "cast-bf16", "qsgd-8", "qsgd-4", "onebit", "adaptive", "pca")
@@ -151,9 +152,11 @@ def _parse(argv) -> argparse.Namespace:
     if not args.pipeline or min(args.pipeline) < 1:
         parser.error(f"--pipeline must be comma-separated positive integers, got {args.pipeline!r}")
     args.unroll = tuple(dict.fromkeys(u.strip() for u in args.unroll.split(",") if u.strip()))
-    bad = [u for u in args.unroll if u != "none" and not u.isdigit()]
-    if bad:
-        parser.error(f"--unroll must be comma-separated ints >= 0 or 'none', got {bad}")
+    try:
+        for u in args.unroll:
+            parse_unroll(u)
+    except ValueError as e:
+        parser.error(f"--unroll: {e}")
     if not (math.isfinite(args.bucket_mib) and args.bucket_mib > 0):
         parser.error(f"--bucket-mib must be a positive number, got {args.bucket_mib}")
     args.bucket_bytes = max(1, int(args.bucket_mib * 2**20))
