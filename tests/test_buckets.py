@@ -78,10 +78,10 @@ def _pca16():
     (qc.qsgd(bits=4, bucket_size=16), "ring_requantize", jnp.float32),
     (qc.identity(), "ring", jnp.float32),
     (_pca16(), "ring", jnp.float32),
-    (qc.adaptive(4.0), "pairwise", jnp.float32),
+    (qc.onebit(grouping="column"), "pairwise", jnp.float32),
     (qc.onebit(bucket_size=16), "pairwise", jnp.bfloat16),
 ], ids=["qsgd-pairwise", "qsgd-ring_requantize", "identity-ring", "pca-ring",
-        "adaptive-column-pairwise", "onebit-pairwise-bf16"])
+        "onebit-column-pairwise", "onebit-pairwise-bf16"])
 def test_the_batch_computes_what_the_unrolled_program_computes(compressor, algorithm, dtype):
     """Every algorithm: a bucket's random stream and its decode do not depend
     on whether its class runs as a batch, so both programs give the same
