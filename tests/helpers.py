@@ -167,3 +167,18 @@ def unblock(tree):
 def stacked_on_mesh(tree, n: int):
     """`stacked` copies placed ``P("d")`` on ``n`` devices: one replica per device."""
     return jax.device_put(stacked(tree, n), NamedSharding(mesh_of(n), P("d")))
+
+
+def count_primitives(jaxpr, name: str) -> int:
+    """Equations of primitive ``name`` in ``jaxpr`` and all its sub-jaxprs
+    (``jit``, ``shard_map``, ``cond`` branches, loops): how often the
+    traced program holds an operation."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == name
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    count += count_primitives(sub, name)
+    return count

@@ -3,6 +3,7 @@ the replicated layout (invariant updates, per-device residuals, their specs)."""
 
 import functools
 import io
+import re
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,15 @@ from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
 import transforms
-from tests.helpers import block, mesh_of, placed, pmap_train, sharded_step, train_sharded
+from tests.helpers import (
+    block,
+    mesh_of,
+    placed,
+    pmap_train,
+    sharded_step,
+    sharded_update,
+    train_sharded,
+)
 
 N = 8
 DIM, OUT, BATCH = 12, 3, 32
@@ -220,6 +229,23 @@ def test_non_finite_step_is_skipped_and_residuals_kept():
     ps_next, _, loss, _ = jax.block_until_ready(steps[False](ps_bad, st_bad, x, y))
     assert np.isfinite(loss) and all(np.all(np.isfinite(np.asarray(a)))
                                      for a in jax.tree.leaves(ps_next))
+
+
+def test_finite_flag_is_reduced_once():
+    """The step's finite flag is reduced once and read by every leaf's
+    residual update, not rebuilt inside each: the program grows linearly
+    with the leaves (a chain of ands per leaf made it quadratic)."""
+    def flag_ands(leaves):
+        template = {f"w{i:03d}": jnp.zeros((16,)) for i in range(leaves)}
+        tx = _tx(qc.qsgd(bits=4), key=jax.random.key(0))
+        state = transforms.init_sharded(tx, template, mesh_of(N), "d")
+        grads = jax.device_put({k: np.zeros((N, 16), np.float32) for k in template},
+                               NamedSharding(mesh_of(N), P("d")))
+        hlo = sharded_update(tx, N, state).mapped.lower(grads, state).compile().as_text()
+        return len(re.findall(r"pred\[\] and\(", hlo))
+
+    small, large = flag_ands(12), flag_ands(48)
+    assert large <= 4 * small + 16, (small, large)
 
 
 def test_leaf_policy_min_size_predicate_and_per_leaf_choice():

@@ -13,7 +13,14 @@ from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
 import transforms
-from tests.helpers import mesh_of, placed, sharded_step, sharded_update, stacked
+from tests.helpers import (
+    count_primitives,
+    mesh_of,
+    placed,
+    sharded_step,
+    sharded_update,
+    stacked,
+)
 from transforms._gradiveq import _aggregate_pca, _aggregate_sampled
 
 N = 8
@@ -161,6 +168,40 @@ def test_compressed_branch_wire_bytes_match_rank():
     assert qc.wire_bytes(sampled, x) == 2 * (N - 1) * (chunk // 2 + 4 * (chunk // 512))
     ratio = qc.wire_bytes(compressed, x) / qc.wire_bytes(exact, x)
     assert r / kk <= ratio < 1.01 * r / kk
+
+
+def test_leaves_of_one_shape_run_as_one_ring():
+    """Three (64, 64) leaves with their own bases, means and keys run as one
+    batched ring (its shifts traced once, not three times), and each leaf's
+    sum and contribution are bit for bit those of its own PCA all-reduce."""
+    kk, mesh = 64, mesh_of(N)
+    xs = jax.device_put(jax.random.normal(jax.random.key(2), (N, 3, 64, kk)),
+                        NamedSharding(mesh, P("d")))
+    bases = [jnp.linalg.qr(jax.random.normal(jax.random.key(10 + j), (kk, 4)))[0]
+             for j in range(3)]
+    means = [jax.random.normal(jax.random.key(20 + j), (kk,)) for j in range(3)]
+    key = jax.random.key(3)
+    spec = functools.partial(jax.shard_map, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+
+    @jax.jit
+    @spec
+    def together(x):
+        sums, contributed, _ = _aggregate_pca(list(x[0]), bases, means, "d", key)
+        return jnp.stack(sums)[None], jnp.stack(contributed)[None]
+
+    @jax.jit
+    @spec
+    def alone(x):
+        results = [qc.compressed_all_reduce(x[0, j], "d", qc.pca(bases[j], means[j], num_workers=N),
+                                            jax.random.fold_in(key, j), algorithm="ring")
+                   for j in range(3)]
+        return (jnp.stack([r.value for r in results])[None],
+                jnp.stack([r.contributed for r in results])[None])
+
+    for got, want in zip(together(xs), alone(xs), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    shifts = [count_primitives(jax.make_jaxpr(f)(xs).jaxpr, "ppermute") for f in (together, alone)]
+    assert 0 < 3 * shifts[0] == shifts[1], shifts
 
 
 def _ls_problem():

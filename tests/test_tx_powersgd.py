@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
 import transforms
-from tests.helpers import mesh_of, pmap_train, sharded_update, train_sharded
+from tests.helpers import count_primitives, mesh_of, pmap_train, sharded_update, train_sharded
 
 N = 8
 DIM, OUT, BATCH = 32, 16, 64
@@ -110,6 +110,54 @@ def test_error_feedback_telescopes():
         assert np.abs(res).max() > 0.1  # compression really lost something
         np.testing.assert_allclose(total_update[name] + res, total_mean[name], atol=1e-4)
     np.testing.assert_allclose(total_update["v"], total_mean["v"], atol=1e-5)
+
+
+def _products(shapes, **kwargs):
+    """Matrix products in the traced update of ``shapes`` (rank 2, compressed from step 0)."""
+    tx = transforms.powersgd("d", rank=2, key=jax.random.key(4), start_iter=0, **kwargs)
+    state = _init(tx, _template(shapes))
+    run = sharded_update(tx, N, state)
+    grads = jax.device_put(_grads(0, shapes=shapes), NamedSharding(mesh_of(N), P("d")))
+    return count_primitives(jax.make_jaxpr(run.mapped)(grads, state).jaxpr, "dot_general")
+
+
+@pytest.mark.parametrize("warm_start", [True, False])
+def test_leaves_of_one_shape_share_one_program(warm_start):
+    """Leaves of one matrix shape are stacked: their products are traced once,
+    so the program grows with the shapes, not with the leaves."""
+    one = _products({"a": (16, 12)}, warm_start=warm_start)
+    assert one > 0
+    assert _products({f"a{i}": (16, 12) for i in range(5)}, warm_start=warm_start) == one
+    two_shapes = {**{f"a{i}": (16, 12) for i in range(5)}, "c": (24, 8), "v": (7,)}
+    assert _products(two_shapes, warm_start=warm_start) == 2 * one
+
+
+def test_leaves_of_one_shape_are_reduced_each_on_its_own():
+    """One step on three (16, 12) leaves of different scales, one (24, 8) and a
+    vector equals a float64 per-leaf PowerSGD step from the same Q (no leaf
+    of a stack leaks into another)."""
+    shapes = {"a": (16, 12), "b": (16, 12), "c": (24, 8), "e": (16, 12), "v": (7,)}
+    tx = transforms.powersgd("d", rank=2, key=jax.random.key(7), start_iter=0)
+    state = _init(tx, _template(shapes))
+    grads = _grads(8, shapes=shapes)
+    for i, name in enumerate(shapes):
+        grads[name] = grads[name] * np.float32(10.0 ** (2 * i - 4))
+    updates, new = sharded_update(tx, N, state)(grads, state)
+    for name in "abce":
+        m = np.asarray(grads[name], np.float64)                 # (devices, n, m)
+        p, r = np.linalg.qr(np.einsum("dnm,mr->nr", m, np.asarray(state.q[name], np.float64)))
+        p = p * np.sign(np.diag(r))                             # Gram-Schmidt's signs
+        q = np.einsum("dnm,nr->mr", m, p)
+        want = p @ q.T / N
+        scale = np.abs(want).max()
+        np.testing.assert_allclose(np.asarray(updates[name]), want, atol=1e-4 * scale,
+                                   err_msg=name)
+        np.testing.assert_allclose(np.asarray(new.q[name]), q / N, atol=1e-4 * np.abs(q).max() / N,
+                                   err_msg=name)
+        np.testing.assert_allclose(np.asarray(new.residuals[name]), m - want,
+                                   atol=1e-4 * np.abs(m).max(), err_msg=name)
+    np.testing.assert_allclose(np.asarray(updates["v"]), np.mean(grads["v"], axis=0),
+                               rtol=1e-6)
 
 
 def test_least_squares_converges_like_uncompressed():

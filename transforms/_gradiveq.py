@@ -108,6 +108,11 @@ def _aggregate_sampled(xs, axis_name, compressor, key, algorithm):
 def _aggregate_pca(xs, bases, means, axis_name, key, stop_loss=None):
     """Compressed-domain ring sum, one PCA compressor per leaf.
 
+    Leaves of one shape and basis shape form a class that runs as one batch
+    (`jax.vmap` over the leaves, each with its own basis, mean and key): the
+    program holds one ring per class, not per leaf, and each hop carries the
+    whole class's payloads in one message. Results are the leaves' own.
+
     Returns ``(sums, contributed, votes)``: ``votes`` is the number of devices
     whose local compression loss (eq. 7) over ``||x||^2`` exceeds
     ``stop_loss`` (0 without it).
@@ -115,12 +120,27 @@ def _aggregate_pca(xs, bases, means, axis_name, key, stop_loss=None):
     # The payloads summed: one per device, or one per node when hierarchical.
     axes = mesh_axes(axis_name)
     n = int(lax.axis_size(axes[0] if len(axes) == 2 else axis_name))
-    sums, contributed = [], []
-    for j, (x, u, mu) in enumerate(zip(xs, bases, means, strict=True)):
+
+    def reduce_leaf(x, u, mu, leaf_key):
         result = qc.compressed_all_reduce(x, axis_name, qc.pca(u, mu, num_workers=n),
-                                          jax.random.fold_in(key, j), algorithm="ring")
-        sums.append(result.value.astype(jnp.float32))
-        contributed.append(result.contributed.astype(jnp.float32))
+                                          leaf_key, algorithm="ring")
+        return result.value.astype(jnp.float32), result.contributed.astype(jnp.float32)
+
+    sums, contributed = [None] * len(xs), [None] * len(xs)
+    classes: dict[tuple, list[int]] = {}
+    for j, arrays in enumerate(zip(xs, bases, means, strict=True)):
+        signature = tuple((jnp.shape(a), jnp.result_type(a)) for a in arrays)
+        classes.setdefault(signature, []).append(j)
+    for members in classes.values():
+        keys = [jax.random.fold_in(key, j) for j in members]
+        if len(members) == 1:
+            j = members[0]
+            sums[j], contributed[j] = reduce_leaf(xs[j], bases[j], means[j], keys[0])
+            continue
+        stacked = [jnp.stack([arrays[j] for j in members]) for arrays in (xs, bases, means)]
+        class_sums, class_contributed = jax.vmap(reduce_leaf)(*stacked, jnp.stack(keys))
+        for t, j in enumerate(members):
+            sums[j], contributed[j] = class_sums[t], class_contributed[t]
     if stop_loss is None:
         return sums, contributed, jnp.zeros((), jnp.int32)
     loss = sum(jnp.sum((x - c) ** 2) for x, c in zip(xs, contributed, strict=True))

@@ -12,6 +12,16 @@ uncompressed. Leaves are viewed as matrices channels-last by default
 ``view(shape[0], -1)`` for PyTorch's channels-first layouts. The phase
 switch is a ``lax.cond`` on the step count, which is the same on every
 device, with the collectives inside its branches.
+
+Compressed leaves of one matrix view shape are stacked: each product,
+Gram-Schmidt and decode runs once per shape (batched), so the traced step
+grows with the distinct shapes, not the leaves. The payloads are sent as
+the leaves' own (the same buckets and sums), so the results are those of a
+leaf-by-leaf step. One difference: the overflow-safe paths
+(`qcollect.orthogonalize`, the products) decide per stack, so where one
+leaf's product overflows (or a gradient is non-finite, a step whose state
+is kept anyway) its stack-mates take the power-of-two rescaled path too,
+which gives the same values unless they hold subnormal-range entries.
 """
 
 from __future__ import annotations
@@ -74,6 +84,19 @@ def _ring_sum(payloads, axis_name):
         return []
     return qc.compressed_all_reduce(payloads, axis_name, qc.identity(),
                                     algorithm="ring").value
+
+
+def _ring_sum_classes(stacked, classes, axis_name):
+    """`_ring_sum` of each class's stacked ``(k, ...)`` payloads, sent as
+    the leaves' own payloads in leaf order (so the buckets and the sums are
+    those of a leaf-by-leaf step); returns the sums stacked per class."""
+    order = sorted((i, shape, j) for shape, members in classes.items()
+                   for j, i in enumerate(members))
+    sums = _ring_sum([stacked[shape][j] for _, shape, j in order], axis_name)
+    by_class = {shape: [None] * len(members) for shape, members in classes.items()}
+    for (_, shape, j), total in zip(order, sums, strict=True):
+        by_class[shape][j] = total
+    return {shape: jnp.stack(parts) for shape, parts in by_class.items()}
 
 
 def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = 1_000,
@@ -229,34 +252,47 @@ def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = 1_000,
         step_key = jax.random.fold_in(state_key, count)
         out = [None] * len(leaves)
         new_res, new_q = list(residuals), list(qs)
-        members, mats, factors = [], [], []
+        # Compressed leaves of one matrix view shape form a class: its
+        # matrices are stacked and every product, Gram-Schmidt and decode
+        # runs once for the class, batched, so the program holds one copy
+        # per shape, not per leaf.
+        classes: dict[tuple[int, int], list[int]] = {}
         for i, g in enumerate(leaves):
-            if not compressed(g):
+            if compressed(g):
+                shape = qc.powersgd_matrix_shape(jnp.shape(g), view=matrix_view)
+                classes.setdefault(shape, []).append(i)
+            else:
                 out[i] = reduce(g)
-                continue
-            mat = jnp.asarray(g, jnp.float32)  # kept in the leaf's shape
+        mats, factors = {}, {}
+        for shape, members in classes.items():
+            mat = [jnp.asarray(leaves[i], jnp.float32) for i in members]
             if error_feedback:
-                mat = mat + residuals[i]
-            members.append(i)
-            mats.append(mat)
-            factors.append(qc.powersgd_normalize(qs[i]) if warm_start
-                           else first_q(jax.random.fold_in(step_key, i), g))
-        # Round one: P = sum_i M_i Q, summed as payloads, then orthogonalized.
-        p_sum = _ring_sum([qc.powersgd(q, side="right", view=matrix_view).encode(m)
-                           for m, q in zip(mats, factors, strict=True)], axis_name)
-        ps = [qc.orthogonalize(p["p"]) for p in p_sum]
-        # Round two: Q = sum_i M_i^T P; decoding the sum gives P Q^T = N M^.
-        lefts = [qc.powersgd(p, side="left", view=matrix_view) for p in ps]
-        q_sum = _ring_sum([c.encode(m) for c, m in zip(lefts, mats, strict=True)],
-                          axis_name)
-        for j, i in enumerate(members):
-            total = lefts[j].decode(q_sum[j])            # P Q_sum^T, float32
-            approx = total / n_dev                        # M^, the mean's approximation
-            out[i] = (approx if mean else total).astype(leaves[i].dtype)
-            if error_feedback:
-                new_res[i] = mats[j] - approx
+                mat = [m + residuals[i] for m, i in zip(mat, members, strict=True)]
+            mats[shape] = jnp.stack([qc.powersgd_matrix(m, view=matrix_view) for m in mat])
             if warm_start:
-                new_q[i] = q_sum[j]["q"] / n_dev
+                factors[shape] = qc.powersgd_normalize(jnp.stack([qs[i] for i in members]))
+            else:
+                keys = jnp.stack([jax.random.fold_in(step_key, i) for i in members])
+                leaf = leaves[members[0]]
+                factors[shape] = jax.vmap(lambda k, leaf=leaf: first_q(k, leaf))(keys)
+        # Round one: P = sum_i M_i Q, summed per leaf (the buckets and sums
+        # of the leaves' own payloads), then orthogonalized.
+        p_sum = _ring_sum_classes({s: qc.powersgd_p(mats[s], factors[s]) for s in classes},
+                                  classes, axis_name)
+        ps = {s: qc.orthogonalize(p) for s, p in p_sum.items()}
+        # Round two: Q = sum_i M_i^T P; P Q_sum^T = N M^.
+        q_sum = _ring_sum_classes({s: qc.powersgd_q(mats[s], ps[s]) for s in classes},
+                                  classes, axis_name)
+        for shape, members in classes.items():
+            total = qc.powersgd_reconstruct(ps[shape], q_sum[shape])
+            approx = total / n_dev                        # M^, the mean's approximation
+            for j, i in enumerate(members):
+                mine = (approx if mean else total)[j].reshape(jnp.shape(leaves[i]))
+                out[i] = mine.astype(leaves[i].dtype)
+                if error_feedback:
+                    new_res[i] = (mats[shape][j] - approx[j]).reshape(jnp.shape(leaves[i]))
+                if warm_start:
+                    new_q[i] = q_sum[shape][j] / n_dev
         return out, new_res, new_q
 
     def update(grads, state, params=None):

@@ -275,4 +275,11 @@ def all_finite(tree) -> jax.Array:
     leaves = jax.tree.leaves(tree)
     if not leaves:
         return jnp.array(True)
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))
+    flags = jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves])
+    # XLA folds the reduction of a stack of scalars into a chain of ands and
+    # copies that chain into every consumer (each leaf's `keep_if_finite`):
+    # a program quadratic in the leaves. Behind an identity gather, which it
+    # never copies, the flags are reduced once.
+    flags = flags.at[jnp.arange(len(leaves))].get(
+        mode="promise_in_bounds", indices_are_sorted=True, unique_indices=True)
+    return jnp.all(flags)
