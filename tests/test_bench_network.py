@@ -143,6 +143,7 @@ def test_pipeline_counts_name_one_row_per_compressed_method_and_count():
         "psum", "onebit@0", "onebit@none", "onebit/p4@0", "onebit/p4@none"]
 
 
+@pytest.mark.slow  # two processes; the batch == traced equivalence runs in tests/test_buckets.py
 def test_a_batch_of_equal_buckets_beside_the_program_traced_per_bucket(tmp_path):
     """Four leaves of one 64 KiB bucket each: @0 reduces them as one batch,
     @none bucket by bucket; the same bytes and the same draws, so the same sums."""

@@ -120,8 +120,9 @@ STOCHASTIC = {
 
 
 @pytest.mark.parametrize("name,algorithm", [(name, "pairwise") for name in STOCHASTIC]
-                         + [(name, "ring_requantize") for name in ("qsgd4", "onebit_column",
-                                                                   "adaptive_sampled")])
+                         + [(name, "ring_requantize") for name in ("qsgd4", "onebit_column")]
+                         + [pytest.param("adaptive_sampled", "ring_requantize",
+                                         marks=pytest.mark.slow)])
 def test_small_scale_layer_beside_a_large_one(name, algorithm):
     """A 512x128 layer at 1e-3 beside a 128x128 layer at 1.0 and a conv
     kernel at 1e-2 keeps the error it has alone (before leaf-aware layout
@@ -141,7 +142,8 @@ def test_small_scale_layer_beside_a_large_one(name, algorithm):
 
 @pytest.mark.parametrize("compressor", [qc.onebit(grouping="column"), qc.adaptive(8)],
                          ids=lambda c: c.name)
-@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow), 4])
+@pytest.mark.parametrize("n", [pytest.param(2, marks=pytest.mark.slow),
+                               pytest.param(3, marks=pytest.mark.slow), 4])
 def test_columns_reach_the_error_of_encoding_each_leaf_directly(compressor, n):
     """Through the collective a device encodes whole columns of each leaf: what
     it contributes is exactly its own leaf's direct encoding, and the sum is

@@ -76,7 +76,7 @@ def test_before_start_iter_equals_optax_with_pmean():
     assert int(ps_state.count) == 12
 
 
-@pytest.mark.parametrize("warm_start", [True, False])
+@pytest.mark.parametrize("warm_start", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_full_rank_equals_uncompressed_mean(warm_start):
     tx = transforms.powersgd("d", rank=12, key=jax.random.key(1), start_iter=0,
                              warm_start=warm_start, min_compression_rate=1e-3)
