@@ -18,6 +18,7 @@ def _script():
     return module
 
 
+@pytest.mark.slow  # compiles and runs GradiVeQ twice
 def test_measures_a_step():
     """GradiVeQ: both phases compiled, a compressed step timed."""
     record = _script().measure("gradiveq", 2, runs=1, width=64)
