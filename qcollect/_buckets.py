@@ -24,8 +24,13 @@ QSGD, 2.1x against 1.4x for PCA). A
 `lax.map` loop over the buckets was slower still (1.6-1.8x the traced
 program on one process: the stacked buckets are copied in and out, and each
 decode, fused into the loop's in-place output, is not split across threads)
-and needed more scratch memory, not less. What still grows with the model
-is per leaf: XLA fuses a class's decode into each leaf it writes.
+and needed more scratch memory, not less.
+
+What still grows with the model is per leaf: each output leaf is its own
+kernel, a slice of the class's result with the decode fused in. The slices
+start at runtime offsets (`qcollect._offsets`), so the kernels of the
+leaves of one shape are one program and XLA generates its code once; the
+optimised HLO text still prints every leaf's copy.
 
 ``unroll``: a class of at most this many buckets is traced once per
 bucket (default `UNROLL_BUCKETS` = 0: every class of two or more is
@@ -47,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qcollect._layout import Segment
+from qcollect._offsets import runtime_slices
 
 __all__ = ["UNROLL_BUCKETS", "reduce_buckets"]
 
@@ -160,11 +166,13 @@ def reduce_buckets(segments: list[Segment], leaves, owners, key, masks_padding: 
                                  _bucket_key(key, segment, bucket, single), layout)
 
         out = jax.vmap(body)((xs, tuple(jnp.asarray(index.T))))
-        offset = 0
-        for r in runs:
-            results[r.segment, r.part] = tuple(
-                None if a is None else a[offset:offset + r.count] for a in out)
-            offset += r.count
+        firsts = np.cumsum([0] + [r.count for r in runs[:-1]])
+        counts = [r.count for r in runs]
+        # Runtime starts, so that the runs' consumers share kernels (qcollect._offsets).
+        cut = [None if a is None else [a] if len(runs) == 1 else runtime_slices(a, firsts, counts)
+               for a in out]
+        for i, r in enumerate(runs):
+            results[r.segment, r.part] = tuple(None if c is None else c[i] for c in cut)
 
     reduced = []
     for i, seg in enumerate(segments):

@@ -52,6 +52,7 @@ from jax import lax
 
 from qcollect._config import check_int
 from qcollect._groups import matrix_view
+from qcollect._offsets import runtime_slices
 
 __all__ = ["BUCKET_BYTES", "GROUPINGS", "Segment", "leaf_chunks", "plan_segments"]
 
@@ -217,21 +218,17 @@ class Segment:
         """Inverse of `bucketed` for stacked chunks: per `parts` entry an
         array ``(count, n, *chunk_shape)``; returns the members' arrays,
         padding dropped."""
-        out = []
-        offset = 0
+        axis = 1 if self.columns else 0
         if self.columns:
-            mats = [p.transpose(2, 0, 1, 3).reshape(self.unit, -1) for p in parts]
-            mat = mats[0] if len(mats) == 1 else jnp.concatenate(mats, axis=1)
-            for shape, cols in zip(self.shapes, self.spans, strict=True):
-                out.append(mat[:, offset:offset + cols].reshape(shape))
-                offset += cols
-            return out
-        flats = [p.reshape(-1) for p in parts]
-        flat = flats[0] if len(flats) == 1 else jnp.concatenate(flats)
-        for shape, rows in zip(self.shapes, self.spans, strict=True):
-            out.append(flat[offset:offset + math.prod(shape)].reshape(shape))
-            offset += rows * self.unit
-        return out
+            pieces = [p.transpose(2, 0, 1, 3).reshape(self.unit, -1) for p in parts]
+            sizes = self.spans
+        else:
+            pieces = [p.reshape(-1) for p in parts]
+            sizes = [math.prod(shape) for shape in self.shapes]
+        step = 1 if self.columns else self.unit
+        starts = np.cumsum([0] + [span * step for span in self.spans[:-1]])
+        members = _cut(pieces, [int(start) for start in starts], sizes, axis)
+        return [m.reshape(shape) for m, shape in zip(members, self.shapes, strict=True)]
 
     def _check_single(self) -> None:
         if len(self.parts) != 1 or self.parts[0][0] != 1:
@@ -268,6 +265,44 @@ class Segment:
             out.append(flat[offset:offset + size].reshape(count, self.n, per_chunk))
             offset += size
         return out
+
+
+def _cut(pieces, starts, sizes, axis: int) -> list[jax.Array]:
+    """Members ``[start, start + size)`` along ``axis`` of ``pieces`` laid end
+    to end (a segment's decoded parts).
+
+    Each member is cut from the piece that holds it, never from a
+    concatenation of all pieces (that would copy the whole segment first);
+    where a piece holds several, at runtime starts (`runtime_slices`), so
+    their kernels -- the decode fused into each -- are one computation per
+    shape, compiled once. A member across two pieces is joined from both.
+    """
+    bounds = np.cumsum([0] + [piece.shape[axis] for piece in pieces])
+    homes: dict[int, int] = {}
+    for b, (start, size) in enumerate(zip(starts, sizes, strict=True)):
+        h = min(int(np.searchsorted(bounds, start, side="right")) - 1, len(pieces) - 1)
+        if start + size <= bounds[h + 1]:
+            homes[b] = h
+    members: list = [None] * len(starts)
+    for h, piece in enumerate(pieces):
+        mine = [b for b, home in homes.items() if home == h]
+        local = [starts[b] - int(bounds[h]) for b in mine]
+        mine_sizes = [sizes[b] for b in mine]
+        if len(mine) > 1:
+            cuts = runtime_slices(piece, local, mine_sizes, axis)
+        else:
+            cuts = [lax.slice_in_dim(piece, s, s + n, axis=axis)
+                    for s, n in zip(local, mine_sizes, strict=True)]
+        for b, cut in zip(mine, cuts, strict=True):
+            members[b] = cut
+    for b, (start, size) in enumerate(zip(starts, sizes, strict=True)):
+        if b not in homes:
+            members[b] = jnp.concatenate(
+                [lax.slice_in_dim(piece, max(start - lo, 0), min(start + size, hi) - lo,
+                                  axis=axis)
+                 for piece, lo, hi in zip(pieces, bounds[:-1], bounds[1:], strict=True)
+                 if lo < start + size and hi > start], axis=axis)
+    return members
 
 
 def _units(shape, grouping: str, block: int, n: int) -> tuple[bool, int, int]:

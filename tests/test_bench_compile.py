@@ -33,11 +33,13 @@ def test_tiny_run_measures_every_size_and_method(tmp_path, capsys):
         assert r["devices"] == 2 and r["lower_s"] > 0 and r["compile_s"] > 0
         assert r["stablehlo_bytes"] > 0 and r["hlo_bytes"] > 0 and r["step_ms"] > 0
         assert r["temp_bytes"] >= 0
+        assert 0 < r["distinct_kernels"] <= r["kernels"] or r["method"] == "psum"
     for blocks in (1, 2):
         assert rows[blocks, "qsgd-4"]["hlo_bytes"] > rows[blocks, "psum"]["hlo_bytes"]
     assert text in capsys.readouterr().out
     assert "| parameters | leaves | psum | qsgd-4 |" in text
     assert "| 6,272 | 20 |" in text and "## qsgd-4" in text and "scratch MB | step ms |" in text
+    assert "| kernels | distinct kernels |" in text
 
 
 def test_method_unroll_suffix():

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
 from jax.sharding import NamedSharding
@@ -26,6 +26,7 @@ def _keys(n, seed=0):
     return jnp.stack([jax.random.key(seed)] * n)
 
 
+@settings(max_examples=12)  # a compile per example
 @given(n=st.sampled_from([1, 2, 3, 4, 8]), length=st.integers(1, 200),
        algorithm=st.sampled_from(qc.ALGORITHMS), seed=st.integers(0, 99))
 def test_identity_equals_psum(n, length, algorithm, seed):

@@ -77,7 +77,7 @@ def _affine_data(seed, num, k, d, scale=1.0):
     return (z @ directions.T + mean).astype(np.float32)
 
 
-@settings(max_examples=10)
+@settings(max_examples=6)
 @given(k=st.sampled_from([2, 5, 12]), data=st.data())
 def test_recovers_rank_d_affine_data(k, data):
     """Data in a d-dim affine subspace: eq. (6) picks d, reconstruction is exact."""

@@ -15,7 +15,9 @@ Nothing is allocated: the program is lowered from ``jax.ShapeDtypeStruct`` value
 with shardings and compiled, never run. Each method and size reports the
 wall seconds of ``lower`` (tracing included) and of ``compile``, the size of
 the lowered StableHLO text and of the optimised HLO text
-(``compiled.as_text()``), and XLA's scratch memory of one device's step
+(``compiled.as_text()``), its kernels (fusions) and how many of them are
+distinct programs (`kernel_counts`: XLA generates code once per distinct
+one), and XLA's scratch memory of one device's step
 (``compiled.memory_analysis().temp_size_in_bytes``: intermediates, not
 counting the gradients in and the sums out).
 
@@ -37,10 +39,12 @@ reported as ``> T s``, and the method's larger sizes are skipped::
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import pathlib
 import queue
+import re
 import subprocess
 import sys
 import tempfile
@@ -157,6 +161,56 @@ def blocks_for(target_millions: float, width: int) -> int:
     return max(1, round(target_millions * 1e6 / block_params(width)))
 
 
+_HEADER = re.compile(r"(?:ENTRY )?%([\w.\-]+) \(.*\{$")
+_CALLEE = re.compile(r"\b(calls|to_apply|body|condition)=%([\w.\-]+)")
+_NAME = re.compile(r"%([\w.\-]+)")
+_METADATA = re.compile(r", metadata=\{[^}]*\}")
+_FUSION = re.compile(r"= \S+ fusion\(.*?kind=(\w+), calls=%([\w.\-]+)(.*)$")
+
+
+def kernel_counts(hlo: str) -> tuple[int, int]:
+    """``(kernels, distinct)``: the fusions of an optimised HLO text (each one
+    kernel of machine code) and how many of them differ once instruction names
+    and metadata are set aside.
+
+    XLA generates machine code for each distinct fused computation once,
+    however many fusions call it, so ``distinct`` is the program that XLA's
+    code generation pays for; the HLO text prints every fusion's body.
+    """
+    bodies: dict[str, list[str]] = {}
+    current = None
+    for line in hlo.splitlines():
+        if current is None:
+            header = _HEADER.match(line)
+            if header:
+                current = bodies.setdefault(header.group(1), [])
+        elif line.startswith("}"):
+            current = None
+        else:
+            current.append(_METADATA.sub("", line))
+    canonical: dict[str, str] = {}
+
+    def body(name: str) -> str:
+        """A computation's text with its names numbered in order of use and the
+        computations it calls replaced by theirs: equal for equal programs."""
+        if name not in canonical:
+            canonical[name] = name  # a guard; XLA computations do not recurse
+            ids: dict[str, int] = {}
+            lines = [_NAME.sub(lambda m: f"%{ids.setdefault(m.group(1), len(ids))}",
+                               _CALLEE.sub(lambda m: f"{m.group(1)}={body(m.group(2))}", line))
+                     for line in bodies.get(name, ())]
+            canonical[name] = hashlib.sha1("\n".join(lines).encode()).hexdigest()
+        return canonical[name]
+
+    fusions = []
+    for line in hlo.splitlines():
+        fusion = _FUSION.search(_METADATA.sub("", line))
+        if fusion:
+            kind, callee, options = fusion.groups()
+            fusions.append((kind, body(callee), options))
+    return len(fusions), len(set(fusions))
+
+
 def _lower_and_compile(mesh, method: str, blocks: int, width: int, runs: int = 0) -> dict:
     """Lowers and compiles ``method`` for ``blocks`` blocks on ``mesh``; with
     ``runs``, then also runs it that many times on random gradients (the
@@ -196,6 +250,7 @@ def _lower_and_compile(mesh, method: str, blocks: int, width: int, runs: int = 0
     record = {"lower_s": lowered_at - start, "compile_s": compiled_at - lowered_at,
               "stablehlo_bytes": len(lowered.as_text()), "hlo_bytes": len(hlo),
               "hlo_lines": hlo.count("\n")}
+    record["kernels"], record["distinct_kernels"] = kernel_counts(hlo)
     memory = compiled.memory_analysis()
     if memory is not None:
         # Per device: XLA's scratch buffers of the step (intermediates).
@@ -316,6 +371,8 @@ def _cell(record: dict, field: str = "compile_s") -> str:
         return ""
     if field.endswith("_bytes"):
         return f"{value / 1e6:.2f}"
+    if isinstance(value, int):
+        return f"{value:,}"
     return f"{value:.2f}"
 
 
@@ -334,13 +391,15 @@ def tables(rows: list[dict], methods: list[str], devices: int) -> str:
     for m in methods:
         out += ["", f"## {m}", "",
                 "| parameters | leaves | lower s | compile s | StableHLO MB "
-                "| optimised HLO MB | scratch MB |" + (" step ms |" if stepped else ""),
-                "|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if stepped else "")]
+                "| optimised HLO MB | kernels | distinct kernels | scratch MB |"
+                + (" step ms |" if stepped else ""),
+                "|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if stepped else "")]
         for params, leaves, blocks in sizes:
             r = by.get((blocks, m))
             if r is None:
                 continue
-            fields = ("lower_s", "compile_s", "stablehlo_bytes", "hlo_bytes", "temp_bytes") + (
+            fields = ("lower_s", "compile_s", "stablehlo_bytes", "hlo_bytes", "kernels",
+                      "distinct_kernels", "temp_bytes") + (
                 ("step_ms",) if stepped else ())
             cells = [_cell(r, f) for f in fields]
             if "lower_s" not in r:
