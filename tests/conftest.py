@@ -15,7 +15,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 settings.register_profile(
     "default",
     deadline=None,
-    max_examples=20,
+    max_examples=12,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow],
 )

@@ -324,7 +324,8 @@ def test_star_network_names_and_worker_command():
     # Four floats run inline: only the runtime's collective timeout sees the wait.
     ("runtime", 4, None),
     # With XLA's timeout far away, the stack samples (block_until_ready) end it.
-    ("sampled", 65536, "--xla_cpu_collective_timeout_seconds=1000"),
+    pytest.param("sampled", 65536, "--xla_cpu_collective_timeout_seconds=1000",
+                 marks=pytest.mark.slow),
 ])
 def test_a_stalled_rank_ends_the_job_naming_it(tmp_path, detector, length, xla_flags):
     env = _clean_env()

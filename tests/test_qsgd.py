@@ -14,7 +14,7 @@ def _decode_many(c, x, keys):
     return jax.jit(jax.vmap(lambda k: c.decode(c.encode(x, k))))(keys)
 
 
-@settings(max_examples=12)  # a compile per example
+@settings(max_examples=8)  # a compile per example
 @given(
     bits=st.sampled_from([2, 4, 8]),
     length=st.integers(1, 700),
@@ -55,7 +55,7 @@ def test_bias_is_statistically_zero_per_element():
     assert np.all(np.abs(q.mean(0) - np.asarray(x)) <= 5 * std_err + 1e-7)
 
 
-@settings(max_examples=12)  # a compile per example
+@settings(max_examples=8)  # a compile per example
 @given(
     bits=st.sampled_from([2, 4, 8, 16]),
     length=st.integers(1, 3000),

@@ -30,7 +30,7 @@ def _assert_close(got, want, dtype):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@settings(max_examples=12)  # a compile per example
+@settings(max_examples=8)  # a compile per example
 @given(n=st.sampled_from(SIZES), length=st.integers(0, 70),
        dtype=st.sampled_from([jnp.float32, jnp.bfloat16, jnp.int32]), seed=st.integers(0, 99))
 def test_ring_all_reduce_equals_psum(n, length, dtype, seed):
@@ -42,7 +42,7 @@ def test_ring_all_reduce_equals_psum(n, length, dtype, seed):
         _assert_close(ring, psum, dtype)
 
 
-@settings(max_examples=12)  # a compile per example
+@settings(max_examples=8)  # a compile per example
 @given(n=st.sampled_from(SIZES), rows=st.integers(1, 6), seed=st.integers(0, 99),
        dtype=st.sampled_from([jnp.float32, jnp.int32]))
 def test_ring_reduce_scatter_equals_psum_scatter(n, rows, seed, dtype):
@@ -52,7 +52,7 @@ def test_ring_reduce_scatter_equals_psum_scatter(n, rows, seed, dtype):
     _assert_close(ring, xla, dtype)
 
 
-@settings(max_examples=12)  # a compile per example
+@settings(max_examples=8)  # a compile per example
 @given(n=st.sampled_from(SIZES), rows=st.integers(0, 5), seed=st.integers(0, 99))
 def test_ring_all_gather_equals_all_gather(n, rows, seed):
     x = _data(n, (rows, 2), jnp.int32, seed)
