@@ -48,46 +48,66 @@ CASES = ([(s, jnp.float32) for s in SHAPES]
          + [(s, d) for s in [(97,), (3, 5, 7)] for d in (jnp.bfloat16, jnp.float16)])
 
 
+def _round_trips(c, xs, keys=None):
+    """``[(encode(x), decode(encode(x))) for x in xs]`` (``encode`` then ``decode``, not
+    the fused ``round_trip``) in one jitted program, as a collective runs them; the
+    cases are independent computations in it, and one compile serves them all."""
+    keys = [jax.random.key(0)] * len(xs) if keys is None else keys
+
+    def encode_decode(xs, keys):
+        payloads = [c.encode(x, k) for x, k in zip(xs, keys, strict=True)]
+        return [(p, c.decode(p)) for p in payloads]
+
+    return jax.jit(encode_decode)(list(xs), list(keys))
+
+
 def _round_trip(c, x, key=None):
-    key = jax.random.key(0) if key is None else key
-    payload = jax.jit(c.encode)(x, key)
-    return payload, jax.jit(c.decode)(payload)
+    return _round_trips(c, [x], None if key is None else [key])[0]
+
+
+ZERO_SHAPES = [(1,), (13,), (1000,), (8, 9)]
+POISONS = [(np.nan, 0), (np.inf, 500), (-np.inf, 999), (np.nan, 999)]
 
 
 @pytest.mark.parametrize("name", COMPRESSORS)
-@pytest.mark.parametrize("shape,dtype", CASES, ids=lambda v: str(getattr(v, "__name__", v)))
-def test_shape_dtype_restored(name, shape, dtype):
+def test_shape_dtype_restored(name):
+    """Every shape and dtype of `CASES` (one program for all of them)."""
     c = COMPRESSORS[name]()
-    x = jax.random.normal(jax.random.key(1), shape, jnp.float32).astype(dtype)
-    payload, x_hat = _round_trip(c, x)
-    assert x_hat.shape == x.shape and x_hat.dtype == x.dtype
-    assert np.all(np.isfinite(np.asarray(x_hat, np.float32)))
-    # Lossy, but never wild: a quantizer's error is within the input's range.
-    if x.size:
-        err = np.max(np.abs(np.asarray(x_hat, np.float32) - np.asarray(x, np.float32)))
-        assert err <= 2 * np.max(np.abs(np.asarray(x, np.float32))) + 1e-6
+    xs = [jax.random.normal(jax.random.key(1), shape, jnp.float32).astype(dtype)
+          for shape, dtype in CASES]
+    for (shape, dtype), x, (_, x_hat) in zip(CASES, xs, _round_trips(c, xs), strict=True):
+        case = f"{shape} {jnp.dtype(dtype).name}"
+        assert x_hat.shape == x.shape and x_hat.dtype == x.dtype, case
+        assert np.all(np.isfinite(np.asarray(x_hat, np.float32))), case
+        # Lossy, but never wild: a quantizer's error is within the input's range.
+        if x.size:
+            err = np.max(np.abs(np.asarray(x_hat, np.float32) - np.asarray(x, np.float32)))
+            assert err <= 2 * np.max(np.abs(np.asarray(x, np.float32))) + 1e-6, case
 
 
 @pytest.mark.parametrize("name", COMPRESSORS)
-@pytest.mark.parametrize("shape", [(1,), (13,), (1000,), (8, 9)])
-def test_zeros_decode_to_zeros(name, shape):
-    _, x_hat = _round_trip(COMPRESSORS[name](), jnp.zeros(shape))
-    np.testing.assert_array_equal(np.asarray(x_hat), 0.0)
+def test_zeros_decode_to_zeros(name):
+    decoded = _round_trips(COMPRESSORS[name](), [jnp.zeros(s) for s in ZERO_SHAPES])
+    for shape, (_, x_hat) in zip(ZERO_SHAPES, decoded, strict=True):
+        np.testing.assert_array_equal(np.asarray(x_hat), 0.0, err_msg=str(shape))
 
 
 @pytest.mark.parametrize("name", COMPRESSORS)
-@pytest.mark.parametrize("bad,where", [(np.nan, 0), (np.inf, 500), (-np.inf, 999), (np.nan, 999)])
-def test_non_finite_is_never_silent(name, bad, where):
-    x = np.array(jax.random.normal(jax.random.key(2), (1000,)))
-    x[where] = bad
-    _, x_hat = _round_trip(COMPRESSORS[name](), jnp.asarray(x))
-    assert not np.all(np.isfinite(np.asarray(x_hat)))
+def test_non_finite_is_never_silent(name):
+    xs = []
+    for bad, where in POISONS:
+        x = np.array(jax.random.normal(jax.random.key(2), (1000,)))
+        x[where] = bad
+        xs.append(jnp.asarray(x))
+    for poison, (_, x_hat) in zip(POISONS, _round_trips(COMPRESSORS[name](), xs), strict=True):
+        assert not np.all(np.isfinite(np.asarray(x_hat))), poison
 
 
 @pytest.mark.parametrize("name", COMPRESSING)
 def test_payload_is_smaller_than_input(name):
+    """Payload shapes are static (`test_payload_bytes_is_static`): no need to run it."""
     x = jax.random.normal(jax.random.key(3), (4096,))
-    payload, _ = _round_trip(COMPRESSORS[name](), x)
+    payload = jax.eval_shape(COMPRESSORS[name]().encode, x, jax.random.key(0))
     assert qc.payload_bytes(payload) < x.nbytes
 
 
@@ -96,7 +116,7 @@ def test_payload_bytes_is_static(name):
     c = COMPRESSORS[name]()
     x = jnp.ones((333,))
     shapes = jax.eval_shape(c.encode, x, jax.random.key(0))
-    assert qc.payload_bytes(shapes) == qc.payload_bytes(c.encode(x, jax.random.key(0)))
+    assert qc.payload_bytes(shapes) == qc.payload_bytes(jax.jit(c.encode)(x, jax.random.key(0)))
 
 
 @pytest.mark.parametrize("name", COMPRESSORS)
@@ -105,8 +125,9 @@ def test_vmap_matches_per_example(name):
     xs = jax.random.normal(jax.random.key(4), (3, 50))
     keys = jax.random.split(jax.random.key(5), 3)
     batched = jax.jit(jax.vmap(lambda x, k: c.decode(c.encode(x, k))))(xs, keys)
+    single_example = jax.jit(lambda x, k: c.decode(c.encode(x, k)))
     for i in range(3):
-        single = jax.jit(lambda x, k: c.decode(c.encode(x, k)))(xs[i], keys[i])
+        single = single_example(xs[i], keys[i])
         np.testing.assert_allclose(np.asarray(batched[i]), np.asarray(single), rtol=1e-6, atol=1e-6)
 
 
@@ -142,9 +163,9 @@ def test_payload_through_ppermute(name):
 
     sharding = jax.sharding.NamedSharding(mesh, P("d"))
     got = np.asarray(shifted(jax.device_put(xs, sharding), jax.device_put(keys, sharding)))
+    alone = _round_trips(c, list(xs), list(keys))
     for i in range(n):
-        want = _round_trip(c, xs[(i - 1) % n], keys[(i - 1) % n])[1]
-        np.testing.assert_array_equal(got[i], np.asarray(want))
+        np.testing.assert_array_equal(got[i], np.asarray(alone[(i - 1) % n][1]))
 
 
 @pytest.mark.parametrize("name", COMPRESSORS)
@@ -188,25 +209,33 @@ def _bits(a):
     return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32) if a.size else a
 
 
+# Float32, the 16-bit dtypes and an empty array, finite and with a NaN.
+ROUND_TRIP_CASES = ([(s, d, poison) for s, d in [((1000,), jnp.float32), ((3, 5, 7), jnp.bfloat16),
+                                                 ((13,), jnp.float16)]
+                     for poison in (False, True)]
+                    + [((0,), jnp.float32, False)])  # an empty array has no value to poison
+
+
 @pytest.mark.parametrize("name", COMPRESSORS)
-@pytest.mark.parametrize("shape,dtype", [((1000,), jnp.float32), ((3, 5, 7), jnp.bfloat16),
-                                         ((13,), jnp.float16), ((0,), jnp.float32)],
-                         ids=str)
-@pytest.mark.parametrize("poison", [False, True], ids=["finite", "nan"])
-def test_round_trip_is_encode_then_decode(name, shape, dtype, poison):
+def test_round_trip_is_encode_then_decode(name):
     """``round_trip(x)`` is ``(encode(x), decode(encode(x)))`` bit for bit, fused or not,
-    in one jitted program (as error feedback runs it), NaN included."""
+    in one jitted program (as error feedback runs it), NaN included. Every case of
+    `ROUND_TRIP_CASES` in one program per path (two compiles)."""
     c = COMPRESSORS[name]()
-    x = jax.random.normal(jax.random.key(3), shape, jnp.float32)
-    if poison and x.size:
-        x = x.at[(0,) * x.ndim].set(jnp.nan)
-    x = x.astype(dtype)
+    xs = []
+    for shape, dtype, poison in ROUND_TRIP_CASES:
+        x = jax.random.normal(jax.random.key(3), shape, jnp.float32)
+        if poison:
+            x = x.at[(0,) * x.ndim].set(jnp.nan)
+        xs.append(x.astype(dtype))
     key = jax.random.key(4)
-    payload, x_hat = jax.jit(c.round_trip)(x, key)
-    expected = jax.jit(c.encode)(x, key)
-    for got, want in zip(jax.tree.leaves(payload), jax.tree.leaves(expected), strict=True):
-        np.testing.assert_array_equal(_bits(got), _bits(want))
-    np.testing.assert_array_equal(_bits(x_hat), _bits(jax.jit(c.decode)(expected)))
+    fused = jax.jit(lambda xs: [c.round_trip(x, key) for x in xs])(xs)
+    for case, (payload, x_hat), (want, want_hat) in zip(ROUND_TRIP_CASES, fused,
+                                                        _round_trips(c, xs, [key] * len(xs)),
+                                                        strict=True):
+        for got, ref in zip(jax.tree.leaves(payload), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(_bits(got), _bits(ref), err_msg=str(case))
+        np.testing.assert_array_equal(_bits(x_hat), _bits(want_hat), err_msg=str(case))
 
 
 @pytest.mark.parametrize("c", [qc.onebit(), qc.onebit(grouping="column"), qc.qsgd(bits=4),

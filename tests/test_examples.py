@@ -255,6 +255,7 @@ def _straight_and_resumed(tmp_path, args, steps=6, split=3):
     return straight[0], resumed[0], straight_dir, split_dir
 
 
+@pytest.mark.slow  # the example end to end, twice; tests/test_checkpoint.py resumes every transform
 def test_checkpoint_resume_is_bit_identical(tmp_path):
     """Six steps straight, or three, a checkpoint, and three more after --resume:
     the same losses and test accuracy, and identical final checkpoints (params,

@@ -42,8 +42,11 @@ def test_notebooks_found():
     assert NOTEBOOKS, f"no notebooks in {NOTEBOOKS_DIR}"
 
 
-@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p.stem == "quantizers"
-                                  else p for p in NOTEBOOKS], ids=IDS)  # quantizers: 30 s
+# quantizers (30 s) and training (a training run, as tests/test_examples.py runs the
+# example it wraps) run under -m slow.
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow)
+                                  if p.stem in ("quantizers", "training")
+                                  else p for p in NOTEBOOKS], ids=IDS)
 def test_notebook_executes_quick(path, tmp_path):
     committed = path.read_bytes()
     out = tmp_path / path.name

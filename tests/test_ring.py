@@ -145,13 +145,13 @@ def test_swaps_in_pieces_move_what_one_ppermute_moves(monkeypatch, dtype, length
     n = 4
     perm = [(i, (i + 2) % n) for i in range(n)]
     x = (jnp.arange(n * length).reshape(n, length) % 97).astype(dtype)
-    pieces = per_device(lambda v: _ring.permute(v, "d", perm), n)(x)
+    in_pieces = per_device(lambda v: _ring.permute(v, "d", perm), n)
+    pieces = in_pieces(x)
     whole = per_device(lambda v: lax.ppermute(v, "d", perm), n)(x)
     assert pieces.dtype == x.dtype
     np.testing.assert_array_equal(np.asarray(pieces), np.asarray(whole))
     # 16-byte pieces: several collective-permutes once a row passes 16 bytes.
-    ops = [op for op in qc.wire_report(per_device(lambda v: _ring.permute(v, "d", perm), n), x)
-           if op.op == "collective-permute"]
+    ops = [op for op in qc.wire_report(in_pieces, x) if op.op == "collective-permute"]
     assert len(ops) == max(1, -(-length * jnp.dtype(dtype).itemsize // 16))
 
 

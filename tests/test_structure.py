@@ -119,8 +119,11 @@ STOCHASTIC = {
 }
 
 
+# Entropy's pairwise case runs under -m slow (it compiles slowly); by default its
+# per-layer ranges are checked through model averaging below.
 @pytest.mark.parametrize("name,algorithm", [(name, "pairwise") for name in STOCHASTIC
-                                            if name != "adaptive_sampled"]
+                                            if name not in ("adaptive_sampled", "entropy")]
+                         + [pytest.param("entropy", "pairwise", marks=pytest.mark.slow)]
                          + [(name, "ring_requantize") for name in ("qsgd4", "onebit_column")]
                          + [pytest.param("adaptive_sampled", algorithm, marks=pytest.mark.slow)
                             for algorithm in ("pairwise", "ring_requantize")])
