@@ -35,12 +35,19 @@ def _tree(shapes, seed=0):
             for i, (k, s) in enumerate(zip(keys, shapes, strict=True))]
 
 
+def _reduced(tree, compressor, kw):
+    out = qc.compressed_all_reduce(tree, "d", compressor, jax.random.key(0), **kw)
+    return out.value, out.contributed, out.owner_error
+
+
 def _reduce(compressor, cap, **kw):
-    def fn(t):
-        out = qc.compressed_all_reduce(t, "d", compressor, jax.random.key(0),
-                                       bucket_bytes=cap, **kw)
-        return out.value, out.contributed, out.owner_error
-    return per_device(fn, N)
+    return per_device(lambda t: _reduced(t, compressor, dict(bucket_bytes=cap, **kw)), N)
+
+
+def _reductions(compressor, *variants):
+    """One program (one compile) reducing the tree once per variant, each a dict of
+    `compressed_all_reduce` keywords."""
+    return per_device(lambda t: [_reduced(t, compressor, kw) for kw in variants], N)
 
 
 def test_the_layout_has_a_class_of_equal_buckets_and_a_class_of_equal_leaves():
@@ -51,23 +58,23 @@ def test_the_layout_has_a_class_of_equal_buckets_and_a_class_of_equal_leaves():
     assert segments[1].parts == segments[2].parts == ((1, 19),)
 
 
-@pytest.mark.parametrize("unroll", [0, None], ids=["batch", "unrolled"])
-def test_buckets_give_the_results_of_one_bucket(unroll):
+def test_buckets_give_the_results_of_one_bucket():
     """1-bit statistics are per 16-value group: where a group lands (which
-    bucket, which device) changes nothing but the order in which the owner
-    adds the decoded payloads (rounding)."""
-    algorithm = "pairwise"
-    tree = _tree(SMALL + LARGE)
-    batch = _reduce(ONEBIT, CAP, algorithm=algorithm, unroll_buckets=unroll)(tree)
-    single = _reduce(ONEBIT, None, algorithm=algorithm)(tree)
+    bucket, which device, batched or traced once per bucket) changes nothing
+    but the order in which the owner adds the decoded payloads (rounding)."""
+    single, batch, unrolled = _reductions(
+        ONEBIT, {"bucket_bytes": None, "algorithm": "pairwise"},
+        *({"bucket_bytes": CAP, "algorithm": "pairwise", "unroll_buckets": u} for u in (0, None))
+    )(_tree(SMALL + LARGE))
     # value and contributed per device; the owner errors sit at the chunks
     # each device owns, which the layout decides: their sum over devices.
-    for k, (a_tree, b_tree) in enumerate(zip(batch, single, strict=True)):
-        for a, b in zip(a_tree, b_tree, strict=True):
-            a, b = np.asarray(a), np.asarray(b)
-            if k == 2:
-                a, b = a.sum(0), b.sum(0)
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for unroll, bucketed in (("batch", batch), ("unrolled", unrolled)):
+        for k, (a_tree, b_tree) in enumerate(zip(bucketed, single, strict=True)):
+            for a, b in zip(a_tree, b_tree, strict=True):
+                a, b = np.asarray(a), np.asarray(b)
+                if k == 2:
+                    a, b = a.sum(0), b.sum(0)
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=unroll)
 
 
 def _pca16():
@@ -89,8 +96,8 @@ def test_the_batch_computes_what_the_unrolled_program_computes(compressor, algor
     on whether its class runs as a batch, so both programs give the same
     value, contributed and owner error (up to rounding)."""
     tree = [leaf.astype(dtype) for leaf in _tree(SMALL + LARGE)]
-    batch, unrolled = (_reduce(compressor, CAP, algorithm=algorithm, unroll_buckets=u)(tree)
-                       for u in (0, None))
+    batch, unrolled = _reductions(compressor, *({"bucket_bytes": CAP, "algorithm": algorithm,
+                                                 "unroll_buckets": u} for u in (0, None)))(tree)
     for a, b in zip(jax.tree.leaves(batch), jax.tree.leaves(unrolled), strict=True):
         assert a.dtype == b.dtype
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),

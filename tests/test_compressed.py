@@ -189,10 +189,14 @@ def test_pipeline_pieces_give_the_same_reduction(compressor, algorithm):
     keys = jax.random.split(jax.random.key(7), 3)
     x = {"w": jax.random.normal(keys[0], (n, 301, 7)), "b": jax.random.normal(keys[1], (n, 5)),
          "h": jax.random.normal(keys[2], (n, 1000)).astype(jnp.bfloat16)}
-    base = _reduce(n, compressor, algorithm)(x, _keys(n))
-    for pipeline in (2, 64):
-        piped = _reduce(n, compressor, algorithm, pipeline=pipeline)(x, _keys(n))
-        _assert_same_reduction(x, base, piped, pipeline)
+    pipelines = (1, 2, 64)
+
+    def reductions(x, key):  # one program: the unpipelined reference and the pipelines
+        return [qc.compressed_all_reduce(x, "d", compressor, key, algorithm=algorithm,
+                                         pipeline=pipeline) for pipeline in pipelines]
+    base, *piped = per_device(reductions, n)(x, _keys(n))
+    for pipeline, result in zip(pipelines[1:], piped, strict=True):
+        _assert_same_reduction(x, base, result, pipeline)
 
 
 def _assert_same_reduction(x, base, piped, pipeline):

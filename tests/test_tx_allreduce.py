@@ -355,7 +355,7 @@ LOSSY = {"ring": qc.cast("bfloat16"), "pairwise": qc.qsgd(bits=4),
          "ring_requantize": qc.onebit()}
 
 
-@pytest.mark.parametrize("n", [1, 3, 4])
+@pytest.mark.parametrize("n", [1, 3, pytest.param(4, marks=pytest.mark.slow)])  # even: N = 8 above
 @pytest.mark.parametrize("algorithm", qc.ALGORITHMS)
 def test_update_is_invariant_and_leaves_shard_map_replicated(algorithm, n):
     """out_specs=P() holds the update of every algorithm, for a tree of odd sizes with a
