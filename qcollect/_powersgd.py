@@ -267,17 +267,26 @@ def _gram_schmidt(p, epsilon):
     ``2**OVERFLOW_EXPONENT``) and the loop runs again (`unless_overflow`).
     A scaled column's norm is at least ``2**(t - 2)``, so epsilon is lost in
     its rounding as it is for the unscaled one: the same result.
+
+    The leading axes are folded into one, and dropped when they hold a
+    single matrix: XLA:CPU (jaxlib 0.10) miscompiles the loop's fused
+    projection ``rest - sum(col * rest) col`` on arrays with a size-1 batch
+    axis (a ``(1, 2048, 4)`` stack came out with columns off by 0.1, a
+    ``(1, 1000, 8)`` one with NaN), while one matrix or a batch of two or
+    more is right (`tests/test_powersgd.py` checks both at these sizes).
     """
-    p32 = p.astype(jnp.float32)
+    shape = p.shape
+    batch = math.prod(shape[:-2])
+    p32 = p.astype(jnp.float32).reshape(shape[-2:] if batch == 1 else (batch,) + shape[-2:])
     plain = _gram_schmidt_loop(p32, epsilon)
-    if p.shape[-1] == 0:
-        return plain.astype(p.dtype)
-    t = (OVERFLOW_EXPONENT - int(p.shape[-2]).bit_length()) // 2
+    if shape[-1] == 0:
+        return plain.reshape(shape).astype(p.dtype)
+    t = (OVERFLOW_EXPONENT - int(shape[-2]).bit_length()) // 2
     top = jnp.max(jnp.abs(p32), axis=-2, keepdims=True, initial=0.0)
     e = jnp.minimum(t - binary_exponent(top), 0)
     out = unless_overflow(plain, lambda p32, e: _gram_schmidt_loop(rescale(p32, e), epsilon),
                           p32, e, overflowed=jnp.any(e != 0))
-    return out.astype(p.dtype)
+    return out.reshape(shape).astype(p.dtype)
 
 
 def _gram_schmidt_loop(rest, epsilon):
@@ -355,21 +364,86 @@ def _scaled_matmul(a, b, transpose_a, transpose_b):
     return unscale(jnp.matmul(a, b, precision=_HIGHEST), -ra, -rb)
 
 
+def _each_matmul(a, b, transpose_a=False):
+    """`_matmul` of matrices ``a[j]`` given as a list, not a stack, with the
+    stacked ``b``: each product runs on its own operand (no copy of the
+    large matrices into a stack); the small products are stacked and
+    checked at once, and only where one overflowed is the list stacked for
+    the rescaled computation."""
+    plain = jnp.stack([
+        jnp.matmul(_maybe_transpose(b[j], True) if transpose_a else jnp.asarray(x, jnp.float32),
+                   jnp.asarray(x, jnp.float32) if transpose_a else b[j], precision=_HIGHEST)
+        for j, x in enumerate(a)])
+
+    def rescaled(a, b):
+        a = jnp.stack([jnp.asarray(x, jnp.float32) for x in a])
+        if transpose_a:
+            return _scaled_matmul(b, a, transpose_a=True, transpose_b=False)
+        return _scaled_matmul(a, b, transpose_a=False, transpose_b=False)
+
+    return unless_overflow(plain, rescaled, list(a), jnp.asarray(b, jnp.float32))
+
+
+def _sequence(m) -> bool:
+    """Whether ``m`` is a list or tuple of matrices (leaves of one shape)."""
+    if not isinstance(m, (list, tuple)):
+        return False
+    shapes = {tuple(jnp.shape(x)) for x in m}
+    if not m or len(shapes) != 1 or len(next(iter(shapes))) != 2:
+        raise ValueError(f"m must be an array (..., n, m) or a non-empty sequence of "
+                         f"(n, m) matrices of one shape, got shapes {sorted(shapes)}")
+    return True
+
+
 def powersgd_p(m, q) -> jax.Array:
-    """``P = M Q``: ``(..., n, m) @ (..., m, r) -> (..., n, r)`` float32."""
+    """``P = M Q``: ``(..., n, m) @ (..., m, r) -> (..., n, r)`` float32.
+
+    ``m`` may also be a list of ``k`` matrices ``(n, m)`` of one shape (the
+    leaves of one shape, unstacked) with ``q`` of shape ``(k, m, r)``: the
+    result is the ``(k, n, r)`` stack of their products, and no stack of the
+    large matrices is made (one fewer read and write of them per product).
+    """
+    if _sequence(m):
+        return _each_matmul(m, q)
     return _matmul(m, q)
 
 
 def powersgd_q(m, p) -> jax.Array:
-    """``Q = M^T P``: ``(..., n, m)^T @ (..., n, r) -> (..., m, r)`` float32."""
+    """``Q = M^T P``: ``(..., n, m)^T @ (..., n, r) -> (..., m, r)`` float32.
+
+    ``m`` may also be a list of ``k`` matrices ``(n, m)`` with ``p`` of shape
+    ``(k, n, r)``, as in `powersgd_p`.
+    """
     # As (P^T M)^T: the overflow check reads the (..., r, m) product, and XLA
     # keeps the layout it picks for M^T P.
+    if _sequence(m):
+        return jnp.swapaxes(_each_matmul(m, p, transpose_a=True), -1, -2)
     return jnp.swapaxes(_matmul(p, m, transpose_a=True), -1, -2)
 
 
-def powersgd_reconstruct(p, q) -> jax.Array:
-    """``M^ = P Q^T``: ``(..., n, r) @ (..., m, r)^T -> (..., n, m)`` float32."""
-    return _matmul(p, q, transpose_b=True)
+def powersgd_reconstruct(p, q, *, stacked: bool = True):
+    """``M^ = P Q^T``: ``(..., n, r) @ (..., m, r)^T -> (..., n, m)`` float32.
+
+    With ``stacked=False``, ``p`` and ``q`` are stacks ``(k, n, r)`` and
+    ``(k, m, r)`` and the result is a list of the ``k`` matrices, each its
+    own product: a consumer of one matrix then reads no slice of a ``(k, n,
+    m)`` stack (XLA:CPU also runs ``k`` separate outer products faster than
+    one batched). The overflow check is still one for the stack.
+    """
+    if stacked:
+        return _matmul(p, q, transpose_b=True)
+    p = jnp.asarray(p, jnp.float32)
+    q = jnp.asarray(q, jnp.float32)
+    if p.ndim != 3 or q.ndim != 3 or p.shape[0] != q.shape[0]:
+        raise ValueError(f"stacked=False needs p (k, n, r) and q (k, m, r), got shapes "
+                         f"{p.shape} and {q.shape}")
+    plain = [jnp.matmul(p[j], q[j].T, precision=_HIGHEST) for j in range(p.shape[0])]
+    overflowed = jnp.any(_excess(*_exponents(p, q), p, False) > 0)
+
+    def rescaled(p, q):
+        return list(_scaled_matmul(p, q, transpose_a=False, transpose_b=True))
+
+    return unless_overflow(plain, rescaled, p, q, overflowed=overflowed)
 
 
 def powersgd_init(key, shape, rank: int, *, epsilon: float = 1e-8,

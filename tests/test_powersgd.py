@@ -55,6 +55,53 @@ def test_orthogonalize_matches_qr(batch, n, data):
         np.testing.assert_allclose(o.T @ o, np.eye(r), atol=1e-4)
 
 
+@pytest.mark.parametrize("lead", [(), (1,), (2, 1), pytest.param((1, 1), marks=pytest.mark.slow),
+                                  pytest.param((3,), marks=pytest.mark.slow)])
+def test_orthogonalize_stacks_at_layer_sizes(lead):
+    """Stacks of layer-sized factors, size-1 axes included, equal each matrix
+    orthogonalized alone, and have orthonormal columns. XLA:CPU miscompiles
+    the Gram-Schmidt projection on a size-1 batch axis at these sizes (off by
+    up to 0.2, or NaN); toy sizes never showed it."""
+    for n, r in [(784, 8), (1000, 8), (2048, 4), (4096, 4)]:
+        p = jax.random.normal(jax.random.key(n + r), lead + (n, r))
+        got = np.asarray(jax.jit(qc.orthogonalize)(p)).reshape(-1, n, r)
+        for a, o in zip(np.asarray(p).reshape(-1, n, r), got, strict=True):
+            q, rr = np.linalg.qr(a.astype(np.float64))
+            np.testing.assert_allclose(o, q * np.sign(np.diag(rr)), atol=1e-5,
+                                       err_msg=f"{lead} + {(n, r)}")
+            np.testing.assert_allclose(o.T @ o, np.eye(r), atol=1e-5)
+
+
+def test_products_of_unstacked_leaves_equal_the_stacked_products():
+    """A list of matrices (the leaves of one shape, never stacked) gives the
+    stacked products, and ``stacked=False`` the decode of each; the
+    overflow-safe path too."""
+    k = jax.random.split(jax.random.key(0), 4)
+    mats = [jax.random.normal(k[j], (96, 40)) * 10.0 ** (3 * j) for j in range(3)]
+    q = qc.powersgd_normalize(jax.random.normal(k[3], (3, 40, 4)))
+    stack = jnp.stack(mats)
+    p = jax.jit(qc.powersgd_p)(mats, q)
+    np.testing.assert_array_equal(p, qc.powersgd_p(stack, q))
+    p = qc.orthogonalize(p)
+    np.testing.assert_array_equal(jax.jit(qc.powersgd_q)(mats, p), qc.powersgd_q(stack, p))
+    qs = qc.powersgd_q(stack, p)
+    each = jax.jit(functools.partial(qc.powersgd_reconstruct, stacked=False))(p, qs)
+    assert isinstance(each, list) and len(each) == 3
+    np.testing.assert_array_equal(jnp.stack(each), qc.powersgd_reconstruct(p, qs))
+    # Products past the float32 range take the rescaled path, per list as per stack.
+    huge = [m * 1e25 for m in mats]
+    big = jax.jit(qc.powersgd_p)(huge, q)
+    assert np.isfinite(big).all()
+    np.testing.assert_array_equal(big, qc.powersgd_p(jnp.stack(huge), q))
+    np.testing.assert_array_equal(
+        jnp.stack(qc.powersgd_reconstruct(p, qs * 1e30, stacked=False)),
+        qc.powersgd_reconstruct(p, qs * 1e30))
+    with pytest.raises(ValueError, match="sequence of"):
+        qc.powersgd_p([mats[0], mats[0][:5]], q)
+    with pytest.raises(ValueError, match="stacked=False needs"):
+        qc.powersgd_reconstruct(p[0], qs[0], stacked=False)
+
+
 def test_normalize_keeps_the_orthogonalized_p():
     """Power-of-two column scales of Q: each column's largest entry in [0.5, 1), and
     orthogonalize(M Q) unchanged (Gram-Schmidt ignores positive column scales)."""

@@ -13,15 +13,21 @@ uncompressed. Leaves are viewed as matrices channels-last by default
 switch is a ``lax.cond`` on the step count, which is the same on every
 device, with the collectives inside its branches.
 
-Compressed leaves of one matrix view shape are stacked: each product,
-Gram-Schmidt and decode runs once per shape (batched), so the traced step
-grows with the distinct shapes, not the leaves. The payloads are sent as
-the leaves' own (the same buckets and sums), so the results are those of a
-leaf-by-leaf step. One difference: the overflow-safe paths
-(`qcollect.orthogonalize`, the products) decide per stack, so where one
-leaf's product overflows (or a gradient is non-finite, a step whose state
-is kept anyway) its stack-mates take the power-of-two rescaled path too,
-which gives the same values unless they hold subnormal-range entries.
+Compressed leaves of one matrix view shape form a class. Each leaf's
+large work (its matrix ``M_i = g_i + e_i``, the products ``M_i Q`` and
+``M_i^T P``, the decode ``P Q^T`` and its local error) runs on the leaf's
+own arrays; the class's small factors (``Q``, ``P``, their Gram-Schmidt and
+the overflow checks of the products) are stacked, so that work is traced
+once per shape, not per leaf, and no leaf is copied into a stack. The
+payloads are sent as the leaves' own (the same buckets and sums), so the
+results are those of a leaf-by-leaf step up to float32 rounding
+(`tests/test_tx_powersgd.py` checks it against a leaf-by-leaf float64
+reference on MLP-sized leaves over several steps).
+One difference: the overflow-safe paths (`qcollect.orthogonalize`, the
+products) decide per class, so where one leaf's product overflows (or a
+gradient is non-finite, a step whose state is kept anyway) its class-mates
+take the power-of-two rescaled path too, which gives the same values
+unless they hold subnormal-range entries.
 """
 
 from __future__ import annotations
@@ -252,23 +258,25 @@ def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = 1_000,
         step_key = jax.random.fold_in(state_key, count)
         out = [None] * len(leaves)
         new_res, new_q = list(residuals), list(qs)
-        # Compressed leaves of one matrix view shape form a class: its
-        # matrices are stacked and every product, Gram-Schmidt and decode
-        # runs once for the class, batched, so the program holds one copy
-        # per shape, not per leaf.
+        # Compressed leaves of one matrix view shape form a class. The large
+        # per-leaf work (M_i = g_i + e_i, the products with M_i, the decode,
+        # the local error) runs on each leaf's own matrix; the small factors
+        # of the class (Q, P, their Gram-Schmidt, the overflow checks) are
+        # stacked, so the program holds one copy of that work per shape, and
+        # no leaf is copied into a stack.
         classes: dict[tuple[int, int], list[int]] = {}
+        mats = {}
         for i, g in enumerate(leaves):
-            if compressed(g):
-                shape = qc.powersgd_matrix_shape(jnp.shape(g), view=matrix_view)
-                classes.setdefault(shape, []).append(i)
-            else:
+            if not compressed(g):
                 out[i] = reduce(g)
-        mats, factors = {}, {}
-        for shape, members in classes.items():
-            mat = [jnp.asarray(leaves[i], jnp.float32) for i in members]
+                continue
+            mat = jnp.asarray(g, jnp.float32)
             if error_feedback:
-                mat = [m + residuals[i] for m, i in zip(mat, members, strict=True)]
-            mats[shape] = jnp.stack([qc.powersgd_matrix(m, view=matrix_view) for m in mat])
+                mat = mat + residuals[i]
+            mats[i] = qc.powersgd_matrix(mat, view=matrix_view)
+            classes.setdefault(mats[i].shape, []).append(i)
+        factors = {}
+        for shape, members in classes.items():
             if warm_start:
                 factors[shape] = qc.powersgd_normalize(jnp.stack([qs[i] for i in members]))
             else:
@@ -277,22 +285,24 @@ def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = 1_000,
                 factors[shape] = jax.vmap(lambda k, leaf=leaf: first_q(k, leaf))(keys)
         # Round one: P = sum_i M_i Q, summed per leaf (the buckets and sums
         # of the leaves' own payloads), then orthogonalized.
-        p_sum = _ring_sum_classes({s: qc.powersgd_p(mats[s], factors[s]) for s in classes},
-                                  classes, axis_name)
+        p_sum = _ring_sum_classes(
+            {s: qc.powersgd_p([mats[i] for i in classes[s]], factors[s]) for s in classes},
+            classes, axis_name)
         ps = {s: qc.orthogonalize(p) for s, p in p_sum.items()}
-        # Round two: Q = sum_i M_i^T P; P Q_sum^T = N M^.
-        q_sum = _ring_sum_classes({s: qc.powersgd_q(mats[s], ps[s]) for s in classes},
-                                  classes, axis_name)
+        # Round two: Q = sum_i M_i^T P / N; M^ = P Q^T, the mean's approximation.
+        q_sum = _ring_sum_classes(
+            {s: qc.powersgd_q([mats[i] for i in classes[s]], ps[s]) for s in classes},
+            classes, axis_name)
         for shape, members in classes.items():
-            total = qc.powersgd_reconstruct(ps[shape], q_sum[shape])
-            approx = total / n_dev                        # M^, the mean's approximation
+            q_mean = q_sum[shape] / n_dev
+            approx = qc.powersgd_reconstruct(ps[shape], q_mean, stacked=False)
             for j, i in enumerate(members):
-                mine = (approx if mean else total)[j].reshape(jnp.shape(leaves[i]))
-                out[i] = mine.astype(leaves[i].dtype)
+                mine = approx[j] if mean else approx[j] * n_dev
+                out[i] = mine.reshape(jnp.shape(leaves[i])).astype(leaves[i].dtype)
                 if error_feedback:
-                    new_res[i] = (mats[shape][j] - approx[j]).reshape(jnp.shape(leaves[i]))
+                    new_res[i] = (mats[i] - approx[j]).reshape(jnp.shape(leaves[i]))
                 if warm_start:
-                    new_q[i] = q_sum[shape][j] / n_dev
+                    new_q[i] = q_mean[j]
         return out, new_res, new_q
 
     def update(grads, state, params=None):
