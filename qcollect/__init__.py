@@ -16,7 +16,7 @@ package, installed by the same distribution.
 
 from qcollect._adaptive import adaptive
 from qcollect._baseline import cast, identity
-from qcollect._buckets import UNROLL_BUCKETS
+from qcollect._buckets import AUTO_BATCH_BYTES, AUTO_UNROLL_LIMIT, UNROLL_BUCKETS, runs_batched
 from qcollect._compressed import ALGORITHMS, AllReduceResult, compressed_all_reduce
 from qcollect._entropy import EntropyCompressor, EntropyPlan, entropy
 from qcollect._groups import matrix_view
@@ -53,6 +53,8 @@ __all__ = [
     "AllReduceResult",
     "BUCKET_BYTES",
     "UNROLL_BUCKETS",
+    "AUTO_BATCH_BYTES",
+    "AUTO_UNROLL_LIMIT",
     "Compressor",
     "EntropyCompressor",
     "EntropyPlan",
@@ -90,6 +92,7 @@ __all__ = [
     "ring_all_reduce",
     "ring_bytes_per_device",
     "ring_reduce_scatter",
+    "runs_batched",
     "threshold",
     "unpack_bits",
     "wire_bytes",

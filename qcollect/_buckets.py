@@ -32,9 +32,21 @@ start at runtime offsets (`qcollect._offsets`), so the kernels of the
 leaves of one shape are one program and XLA generates its code once; the
 optimised HLO text still prints every leaf's copy.
 
-``unroll``: a class of at most this many buckets is traced once per
-bucket (default `UNROLL_BUCKETS` = 0: every class of two or more is
-batched; a single bucket is always traced).
+When a class runs as a batch (`runs_batched`, ``unroll``): with the
+default ``"auto"`` (`UNROLL_BUCKETS`), a class of buckets of at most
+`AUTO_BATCH_BYTES` (4 MiB: the full buckets of fused leaves, and leaves up
+to that size reduced alone) runs as one batch, and a class of larger
+buckets (large leaves reduced alone) is traced once per bucket unless it
+has more than `AUTO_UNROLL_LIMIT` of them. The batch saves each hop's
+fixed cost per bucket but copies its buckets into one stack (XLA:CPU
+materialised it twice for 1-bit, in two layouts); measured across 4
+processes at 1 Gbit/s (`docs/benchmarks.md`, "Batch or trace"), the batch
+ran QSGD-4 in 0.74-0.78x and 0.65x of the traced time for 4 and 16 leaves
+of 4 MiB but in 1.15-1.23x and 1.34-1.38x for 4 leaves of 8 MiB and 2
+leaves of 16 MiB (the MNIST MLP at width 2048); in one process, where a
+hop costs little, a transformer block of such leaves batched whole took
+twice the traced time. An int ``K`` batches every class of more than ``K``
+buckets (0: all), None none; a single bucket is always traced.
 
 Randomness: a segment of one bucket uses ``fold_in(key, segment)`` as it
 always did; bucket ``b`` of a longer segment uses
@@ -44,6 +56,8 @@ batched or traced.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -51,20 +65,59 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qcollect._layout import Segment
+from qcollect._layout import BUCKET_BYTES, Segment
 from qcollect._offsets import runtime_slices
 
-__all__ = ["UNROLL_BUCKETS", "reduce_buckets"]
+__all__ = ["AUTO_BATCH_BYTES", "AUTO_UNROLL_LIMIT", "UNROLL_BUCKETS", "check_unroll",
+           "reduce_buckets", "runs_batched"]
 
-#: Classes of at most this many equal buckets are traced once per bucket;
-#: longer ones are batched. 0: every class of two or more is batched.
-UNROLL_BUCKETS = 0
+#: The default ``unroll_buckets``: batch by bucket size (`runs_batched`).
+UNROLL_BUCKETS = "auto"
+#: ``"auto"``: classes of buckets of at most this many bytes run as one batch.
+AUTO_BATCH_BYTES = BUCKET_BYTES
+#: ``"auto"``: larger buckets are traced one by one up to this many per class.
+AUTO_UNROLL_LIMIT = 16
 
 
-def _batched(count: int, unroll: int | None) -> bool:
-    """Whether a class of ``count`` equal buckets runs as one batch: more than
-    ``unroll`` of them (a single bucket never does; None: never)."""
-    return unroll is not None and count > max(unroll, 1)
+def check_unroll(value, name: str = "unroll_buckets"):
+    """``value`` as an ``unroll_buckets`` setting: ``"auto"``, None or an int >= 0."""
+    if isinstance(value, str) and value == "auto":
+        return value
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{name} must be 'auto', None or an integer >= 0, got {value!r}")
+    return int(value)
+
+
+def runs_batched(count: int, bucket_bytes: int, unroll=UNROLL_BUCKETS) -> bool:
+    """Whether a class of ``count`` equal buckets of ``bucket_bytes`` bytes
+    each runs as one batch (`jax.vmap` over its buckets) rather than traced
+    once per bucket.
+
+    Args:
+      count: buckets (or leaves of one shape) in the class; one is never
+        batched.
+      bucket_bytes: bytes of one bucket, all devices' chunks together.
+      unroll: ``"auto"`` (default, `UNROLL_BUCKETS`): batch buckets of at most
+        `AUTO_BATCH_BYTES`, and larger ones when there are more than
+        `AUTO_UNROLL_LIMIT`; an int ``K``: batch more than ``K`` buckets;
+        None: never.
+
+    Example:
+      >>> import qcollect as qc
+      >>> mib = 1 << 20
+      >>> qc.runs_batched(16, 4 * mib), qc.runs_batched(2, 16 * mib)
+      (True, False)
+      >>> qc.runs_batched(2, 16 * mib, unroll=0), qc.runs_batched(17, 16 * mib)
+      (True, True)
+    """
+    unroll = check_unroll(unroll)
+    if count < 2 or unroll is None:
+        return False
+    if unroll == "auto":
+        return bucket_bytes <= AUTO_BATCH_BYTES or count > AUTO_UNROLL_LIMIT
+    return count > unroll
 
 
 class _Run(NamedTuple):
@@ -96,7 +149,7 @@ def _joined(arrays):
 
 
 def reduce_buckets(segments: list[Segment], leaves, owners, key, masks_padding: bool,
-                   reduce_bucket: Callable, unroll: int | None = UNROLL_BUCKETS) -> list[tuple]:
+                   reduce_bucket: Callable, unroll=UNROLL_BUCKETS) -> list[tuple]:
     """Runs ``reduce_bucket`` on every bucket of every segment, once per class.
 
     Args:
@@ -109,8 +162,8 @@ def reduce_buckets(segments: list[Segment], leaves, owners, key, masks_padding: 
         contributed, owner_error)`` for one bucket: ``data`` and ``residual``
         as `Segment.laid_out` of the bucket ``layout``, results stacked
         ``(n, *chunk_shape)`` (``owner_error`` may be None).
-      unroll: classes of at most this many buckets are traced once per
-        bucket; None: every class.
+      unroll: ``unroll_buckets`` (`runs_batched`): which classes run as one
+        batch.
 
     Returns:
       Per segment ``(value, contributed, owner_error)``, each a list with one
@@ -140,7 +193,8 @@ def reduce_buckets(segments: list[Segment], leaves, owners, key, masks_padding: 
     results: dict[tuple[int, int], tuple] = {}
     for (_, _, _, per_chunk, _), runs in classes.items():
         layout = segments[runs[0].segment].layout(per_chunk)
-        if not _batched(sum(r.count for r in runs), unroll):
+        nbytes = layout.n * math.prod(layout.chunk_shape) * np.dtype(layout.dtype).itemsize
+        if not runs_batched(sum(r.count for r in runs), nbytes, unroll):
             # Traced once per bucket, straight from each run's buckets, with
             # static keys and valid counts.
             for r in runs:

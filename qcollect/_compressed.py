@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from qcollect._algorithms import Chunks, reduce_pieces
-from qcollect._buckets import UNROLL_BUCKETS, reduce_buckets
+from qcollect._buckets import UNROLL_BUCKETS, check_unroll, reduce_buckets
 from qcollect._config import check_choice, check_int
 from qcollect._hierarchical import reduce_hierarchical
 from qcollect._layout import BUCKET_BYTES, plan_segments
@@ -93,7 +93,7 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
                           algorithm: str = "auto", mean: bool = False, fuse: bool = True,
                           bucket_bytes: int | None = BUCKET_BYTES, pipeline: int = 1,
                           owner_residual=None,
-                          unroll_buckets: int | None = UNROLL_BUCKETS) -> AllReduceResult:
+                          unroll_buckets: int | str | None = UNROLL_BUCKETS) -> AllReduceResult:
     """All-reduce of an array or pytree with every hop compressed.
 
     Args:
@@ -138,17 +138,18 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
         (same structure as ``x``), added to the owner's reduced chunk before
         re-encoding.
       unroll_buckets: equal buckets (the full buckets of fused leaves, or
-        leaves of one shape reduced on their own) form a class; a class of
-        more than this many buckets runs as one batch (`jax.vmap` over its
-        buckets: each hop one message for all of them), so the program
-        holds one copy of the algorithm per class and its compile time
-        stops growing with the number of buckets; a smaller class is traced
-        once per bucket. Default 0 (`qc.UNROLL_BUCKETS`): batch every class
-        of two or more, the fastest across processes (`docs/benchmarks.md`,
-        "Compile time and program size"); the batch holds the class's
-        intermediates at once (more scratch memory than traced). None:
-        never batch (the program grows with the model; on one CPU process
-        1-bit runs about 1.4x faster so). Values, wire bytes and random
+        leaves of one shape reduced on their own) form a class, which runs
+        either as one batch (`jax.vmap` over its buckets: each hop one
+        message for all of them, one copy of the algorithm in the program)
+        or traced once per bucket (`qc.runs_batched`). Default ``"auto"``
+        (`qc.UNROLL_BUCKETS`): batch classes of buckets of at most 4 MiB,
+        trace classes of larger buckets (large leaves reduced alone) unless
+        more than 16 share a shape. The batch copies its buckets into a
+        stack; measured across processes it pays for 4 MiB buckets and not
+        for 8 MiB and up, and in one process it is slower
+        (`docs/benchmarks.md`, "Batch or trace"). An int ``K`` batches
+        classes of more than ``K`` buckets (0: all), None never batches (the
+        program then grows with the model). Values, wire bytes and random
         streams are the same either way, except that a constant payload
         array (PCA's weight) is sent once per batch, not once per bucket.
 
@@ -171,7 +172,7 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
     """
     check_choice("algorithm", algorithm, ("auto",) + ALGORITHMS)
     pipeline = check_int("pipeline", pipeline, low=1)
-    unroll_buckets = check_int("unroll_buckets", unroll_buckets, low=0, allow_none=True)
+    unroll_buckets = check_unroll(unroll_buckets)
     if algorithm == "auto":
         algorithm = "ring" if compressor.linear else "pairwise"
     if algorithm == "ring" and not compressor.linear:

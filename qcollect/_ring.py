@@ -27,8 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from qcollect._buckets import UNROLL_BUCKETS, reduce_buckets
-from qcollect._config import check_int
+from qcollect._buckets import UNROLL_BUCKETS, check_unroll, reduce_buckets
 from qcollect._layout import BUCKET_BYTES, plan_segments
 from qcollect._vma import cast_varying
 
@@ -222,7 +221,7 @@ def ring_all_gather(x: jax.Array, axis_name) -> jax.Array:
 
 
 def ring_all_reduce(x, axis_name, *, bucket_bytes: int | None = BUCKET_BYTES,
-                    unroll_buckets: int | None = UNROLL_BUCKETS):
+                    unroll_buckets: int | str | None = UNROLL_BUCKETS):
     """Ring all-reduce (sum) of an array or pytree: equals ``lax.psum``.
 
     Every leaf is flattened, zero-padded to a multiple of N, scatter-reduced
@@ -236,11 +235,10 @@ def ring_all_reduce(x, axis_name, *, bucket_bytes: int | None = BUCKET_BYTES,
       bucket_bytes: bucket size (default 4 MiB); a leaf of that
         size or more runs its own ring, without a concatenation copy. None:
         one ring per dtype.
-      unroll_buckets: a class of more than this many equal buckets (full
-        buckets of fused leaves, leaves of one shape reduced alone) runs as
-        one batch, each hop one message for all of them (as in
-        `compressed_all_reduce`; default 0: every class of two or more);
-        None: never.
+      unroll_buckets: which classes of equal buckets (full buckets of
+        fused leaves, leaves of one shape reduced alone) run as one batch,
+        each hop one message for all of them, as in `compressed_all_reduce`
+        (default ``"auto"``: buckets of at most 4 MiB; `qc.runs_batched`).
 
     Returns:
       The sum over devices, same structure, shapes and dtypes as ``x``,
@@ -261,7 +259,7 @@ def ring_all_reduce(x, axis_name, *, bucket_bytes: int | None = BUCKET_BYTES,
     leaves = [jnp.asarray(leaf) for leaf in leaves]
     out = [None] * len(leaves)
     n = _ring_size(axis_name)
-    unroll_buckets = check_int("unroll_buckets", unroll_buckets, low=0, allow_none=True)
+    unroll_buckets = check_unroll(unroll_buckets)
 
     def reduce_bucket(chunks, valid, residual, key, layout):
         del valid, residual, key, layout

@@ -3,6 +3,9 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One OpenBLAS thread: LAPACK calls from 8 simulated devices otherwise fight
+# over the cores (examples/common/devices.py).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()

@@ -26,8 +26,15 @@ def test_tree_shape_matches_a_transformer_block():
 def test_tiny_run_measures_every_size_and_method(tmp_path, capsys):
     # width 16: 3,136 parameters per block; 0.003 and 0.006 million are 1 and 2 blocks.
     rows, text = _run(tmp_path, "--width", "16", "--params", "0.003,0.006",
-                      "--methods", "psum,qsgd-4", "--devices", "2", "--runs", "2")
+                      "--methods", "psum,qsgd-4", "--devices", "2", "--runs", "2",
+                      "--profile", "3")
     assert set(rows) == {(b, m) for b in (1, 2) for m in ("psum", "qsgd-4")}
+    # The profile: the operations with the most device time, named as in the HLO.
+    profile = rows[2, "qsgd-4"]["profile"]
+    assert 0 < len(profile) <= 3 and all(ms > 0 for _, ms in profile)
+    assert [ms for _, ms in profile] == sorted((ms for _, ms in profile), reverse=True)
+    assert "### qsgd-4, 6,272 parameters: device time" in text
+    assert "| operation | device ms / step | share |" in text
     for (blocks, _), r in rows.items():
         assert r["parameters"] == 3136 * blocks and r["leaves"] == 10 * blocks
         assert r["devices"] == 2 and r["lower_s"] > 0 and r["compile_s"] > 0
@@ -42,12 +49,19 @@ def test_tiny_run_measures_every_size_and_method(tmp_path, capsys):
     assert "| kernels | distinct kernels |" in text
 
 
+def test_profile_needs_runs(capsys):
+    with pytest.raises(SystemExit):
+        compile_bench.main(["--profile", "3"])
+    assert "--profile must be 0 or more and needs --runs" in capsys.readouterr().err
+
+
 def test_method_unroll_suffix():
     import qcollect as qc
 
     assert compile_bench.parse_method("qsgd-4")[2] == qc.UNROLL_BUCKETS
     assert compile_bench.parse_method("qsgd-4/pairwise@0")[1:] == ("pairwise", 0)
     assert compile_bench.parse_method("onebit@none")[2] is None
+    assert compile_bench.parse_method("onebit@auto")[2] == "auto"
 
 
 @pytest.mark.parametrize("methods, message", [
@@ -56,7 +70,7 @@ def test_method_unroll_suffix():
     ("qsgd-4/ring", "linear compressor"),
     ("psum/ring", "psum takes no algorithm"),
     ("psum@0", "psum takes no algorithm or unroll"),
-    ("qsgd-4@-1", "must be an int >= 0 or 'none'"),
+    ("qsgd-4@-1", "must be 'auto', an int >= 0 or 'none'"),
 ])
 def test_unknown_method_is_an_argument_error_naming_it(methods, message, capsys):
     with pytest.raises(SystemExit) as e:

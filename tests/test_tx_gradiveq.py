@@ -170,38 +170,77 @@ def test_compressed_branch_wire_bytes_match_rank():
     assert r / kk <= ratio < 1.01 * r / kk
 
 
-def test_leaves_of_one_shape_run_as_one_ring():
-    """Three (64, 64) leaves with their own bases, means and keys run as one
-    batched ring (its shifts traced once, not three times), and each leaf's
-    sum and contribution are bit for bit those of its own PCA all-reduce."""
-    kk, mesh = 64, mesh_of(N)
-    xs = jax.device_put(jax.random.normal(jax.random.key(2), (N, 3, 64, kk)),
-                        NamedSharding(mesh, P("d")))
-    bases = [jnp.linalg.qr(jax.random.normal(jax.random.key(10 + j), (kk, 4)))[0]
-             for j in range(3)]
-    means = [jax.random.normal(jax.random.key(20 + j), (kk,)) for j in range(3)]
+def _class_and_alone(n, rows, kk, rank, count, scales):
+    """``count`` leaves ``(rows, kk)`` (scaled apart) reduced by `_aggregate_pca`
+    as one batched class (``unroll=0``) and each by its own PCA all-reduce
+    (with their own bases, means and keys), on ``n`` devices: the two programs'
+    (sums, contributions) and their ppermute counts."""
+    mesh = mesh_of(n)
+    xs = jax.random.normal(jax.random.key(2), (n, count, rows, kk))
+    xs = jax.device_put(xs * jnp.asarray(scales)[:, None, None], NamedSharding(mesh, P("d")))
+    bases = [jnp.linalg.qr(jax.random.normal(jax.random.key(10 + j), (kk, rank)))[0]
+             for j in range(count)]
+    means = [scales[j] * jax.random.normal(jax.random.key(20 + j), (kk,)) for j in range(count)]
     key = jax.random.key(3)
     spec = functools.partial(jax.shard_map, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
 
     @jax.jit
     @spec
     def together(x):
-        sums, contributed, _ = _aggregate_pca(list(x[0]), bases, means, "d", key)
+        sums, contributed, _ = _aggregate_pca(list(x[0]), bases, means, "d", key, unroll=0)
         return jnp.stack(sums)[None], jnp.stack(contributed)[None]
 
     @jax.jit
     @spec
     def alone(x):
-        results = [qc.compressed_all_reduce(x[0, j], "d", qc.pca(bases[j], means[j], num_workers=N),
+        results = [qc.compressed_all_reduce(x[0, j], "d", qc.pca(bases[j], means[j], num_workers=n),
                                             jax.random.fold_in(key, j), algorithm="ring")
-                   for j in range(3)]
+                   for j in range(count)]
         return (jnp.stack([r.value for r in results])[None],
                 jnp.stack([r.contributed for r in results])[None])
 
-    for got, want in zip(together(xs), alone(xs), strict=True):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     shifts = [count_primitives(jax.make_jaxpr(f)(xs).jaxpr, "ppermute") for f in (together, alone)]
+    return together(xs), alone(xs), shifts
+
+
+def test_leaves_of_one_shape_run_as_one_ring():
+    """Three (64, 64) leaves with their own bases, means and keys run as one
+    batched ring (its shifts traced once, not three times), and each leaf's
+    sum and contribution are bit for bit those of its own PCA all-reduce."""
+    together, alone, shifts = _class_and_alone(N, 64, 64, 4, 3, [1.0, 1.0, 1.0])
+    for got, want in zip(together, alone, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert 0 < 3 * shifts[0] == shifts[1], shifts
+
+
+def test_a_batched_class_of_layer_sized_leaves_is_each_leaf_alone():
+    """The MLP's two (2048, 2048) kernels at width 2048, scales 100x apart, with
+    2048-value slices at rank 64 on 4 devices: the batched ring gives each
+    leaf's own PCA all-reduce bit for bit."""
+    together, alone, _ = _class_and_alone(4, 2048, 2048, 64, 2, [1e-2, 1e-4])
+    for got, want in zip(together, alone, strict=True):
+        assert np.isfinite(np.asarray(got)).all()
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_classes_up_to_unroll_buckets_run_leaf_by_leaf():
+    """``unroll_buckets``: a class of at most that many leaves is traced leaf
+    by leaf (no stack of the leaves), a larger one as one batch."""
+    mesh = mesh_of(N)
+    xs = jax.device_put(jax.random.normal(jax.random.key(2), (N, 3, 64, 16)),
+                        NamedSharding(mesh, P("d")))
+    bases = [jnp.eye(16)[:, :4]] * 3
+    means = [jnp.zeros(16)] * 3
+
+    def shifts(unroll):
+        @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+        def f(x):
+            sums, _, _ = _aggregate_pca(list(x[0]), bases, means, "d", jax.random.key(0),
+                                        unroll=unroll)
+            return jnp.stack(sums)[None]
+        return count_primitives(jax.make_jaxpr(f)(xs).jaxpr, "ppermute")
+
+    assert shifts(None) == shifts(3) == 3 * shifts(2) == 3 * shifts(0) > 0
 
 
 def _ls_problem():

@@ -59,7 +59,7 @@ def compressed_all_reduce(axis_name, *, compressor: CompressorSpec, key: jax.Arr
                           compress_if: Callable | None = None,
                           fuse: bool = True, bucket_bytes: int | None = qc.BUCKET_BYTES,
                           pipeline: int = 1,
-                          unroll_buckets: int | None = qc.UNROLL_BUCKETS
+                          unroll_buckets: int | str | None = qc.UNROLL_BUCKETS
                           ) -> optax.GradientTransformation:
     """All-reduce the gradients through ``compressor``, with error feedback.
 
@@ -118,9 +118,10 @@ def compressed_all_reduce(axis_name, *, compressor: CompressorSpec, key: jax.Arr
       pipeline: pieces per device's chunk, each reduced by its own chain of
         collectives (`qcollect.compressed_all_reduce`; 1, the default, is
         the fastest measured on the CPU backend).
-      unroll_buckets: classes of equal buckets longer than this run as one
-        batch (default 0: all of them); None traces the algorithm once per
-        bucket. See `qcollect.compressed_all_reduce`.
+      unroll_buckets: which classes of equal buckets run as one batch
+        (default ``"auto"``: buckets of at most 4 MiB; an int ``K``: more
+        than ``K`` buckets; None: never). See `qcollect.compressed_all_reduce`
+        and `qcollect.runs_batched`.
 
     Returns:
       An ``optax.GradientTransformation``; ``update(grads, state, params=None)``.
@@ -137,10 +138,10 @@ def compressed_all_reduce(axis_name, *, compressor: CompressorSpec, key: jax.Arr
     """
     if algorithm not in ("auto",) + qc.ALGORITHMS:
         raise ValueError(f"algorithm must be one of {('auto',) + qc.ALGORITHMS}, got {algorithm!r}")
-    for name, value in (("bucket_bytes", bucket_bytes), ("unroll_buckets", unroll_buckets)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < 0):
-            raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
+    if bucket_bytes is not None and (isinstance(bucket_bytes, bool)
+                                     or not isinstance(bucket_bytes, int) or bucket_bytes < 0):
+        raise ValueError(f"bucket_bytes must be None or an integer >= 0, got {bucket_bytes!r}")
+    qc.runs_batched(1, 0, unroll_buckets)  # ValueError naming unroll_buckets
     if isinstance(pipeline, bool) or not isinstance(pipeline, int) or pipeline < 1:
         raise ValueError(f"pipeline must be an integer >= 1, got {pipeline!r}")
     if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:

@@ -95,23 +95,30 @@ def _sample_rows(flat, leaf: _Leaf):
     return jnp.concatenate([flat[a:a + k] for a in starts])
 
 
-def _aggregate_sampled(xs, axis_name, compressor, key, algorithm):
+def _aggregate_sampled(xs, axis_name, compressor, key, algorithm, unroll=qc.UNROLL_BUCKETS):
     """Sum over devices through the sample compressor (or exactly): (sums, contributed)."""
     if compressor is None:
         sums = [lax.psum(x, axis_name) for x in xs]
         return sums, list(xs), jnp.zeros((), jnp.int32)
-    result = qc.compressed_all_reduce(xs, axis_name, compressor, key, algorithm=algorithm)
+    result = qc.compressed_all_reduce(xs, axis_name, compressor, key, algorithm=algorithm,
+                                      unroll_buckets=unroll)
     return (list(result.value), [c.astype(jnp.float32) for c in result.contributed],
             jnp.zeros((), jnp.int32))
 
 
-def _aggregate_pca(xs, bases, means, axis_name, key, stop_loss=None):
+def _aggregate_pca(xs, bases, means, axis_name, key, stop_loss=None,
+                   unroll=qc.UNROLL_BUCKETS):
     """Compressed-domain ring sum, one PCA compressor per leaf.
 
-    Leaves of one shape and basis shape form a class that runs as one batch
+    Leaves of one shape and basis shape form a class. Where
+    `qcollect.runs_batched` says so for ``unroll`` (by default: leaves of at
+    most 4 MiB, or more than 16 larger ones), a class runs as one batch
     (`jax.vmap` over the leaves, each with its own basis, mean and key): the
     program holds one ring per class, not per leaf, and each hop carries the
-    whole class's payloads in one message. Results are the leaves' own.
+    whole class's payloads in one message, for the price of a copy of the
+    leaves into a stack (the rule and its measurements are those of the
+    buckets of `qcollect.compressed_all_reduce`). Other classes run leaf by
+    leaf. Results are the leaves' own either way.
 
     Returns ``(sums, contributed, votes)``: ``votes`` is the number of devices
     whose local compression loss (eq. 7) over ``||x||^2`` exceeds
@@ -133,9 +140,10 @@ def _aggregate_pca(xs, bases, means, axis_name, key, stop_loss=None):
         classes.setdefault(signature, []).append(j)
     for members in classes.values():
         keys = [jax.random.fold_in(key, j) for j in members]
-        if len(members) == 1:
-            j = members[0]
-            sums[j], contributed[j] = reduce_leaf(xs[j], bases[j], means[j], keys[0])
+        nbytes = int(np.prod(jnp.shape(xs[members[0]]))) * jnp.result_type(xs[members[0]]).itemsize
+        if not qc.runs_batched(len(members), nbytes, unroll):
+            for j, leaf_key in zip(members, keys, strict=True):
+                sums[j], contributed[j] = reduce_leaf(xs[j], bases[j], means[j], leaf_key)
             continue
         stacked = [jnp.stack([arrays[j] for j in members]) for arrays in (xs, bases, means)]
         class_sums, class_contributed = jax.vmap(reduce_leaf)(*stacked, jnp.stack(keys))
@@ -166,7 +174,8 @@ def gradiveq(axis_name, *, key: jax.Array, slice_size: int | Callable,
              compress_if: Callable | None = None,
              sample_compressor: qc.Compressor | None = _QSGD4,
              sample_algorithm: str = "auto", stop_loss: float | None = None,
-             mean: bool = True, error_feedback: bool = True) -> optax.GradientTransformation:
+             mean: bool = True, error_feedback: bool = True,
+             unroll_buckets: int | str | None = qc.UNROLL_BUCKETS) -> optax.GradientTransformation:
     """GradiVeQ: PCA compressors fitted on aggregated gradients, summed on a ring.
 
     The step count picks the phase, so every device takes the same branch
@@ -260,6 +269,10 @@ def gradiveq(axis_name, *, key: jax.Array, slice_size: int | Callable,
         local compression loss in (0, inf) above which a device votes to stop.
       mean: average over devices (default) rather than sum.
       error_feedback: keep residuals (default True).
+      unroll_buckets: which classes of leaves of one shape (compressed
+        phase) and of equal buckets (warm-up and sampling) run as one batch
+        (default ``"auto"``, `qcollect.runs_batched`); None: never. See
+        `qcollect.compressed_all_reduce`.
 
     Returns:
       An ``optax.GradientTransformation``; its state is a `GradiVeQState`.
@@ -305,6 +318,7 @@ def gradiveq(axis_name, *, key: jax.Array, slice_size: int | Callable,
     compressed_steps = _check_int("compressed_steps", compressed_steps, 1)
     sample_slices = _check_int("sample_slices", sample_slices, 1)
     min_size = _check_int("min_size", min_size, 0)
+    qc.runs_batched(1, 0, unroll_buckets)  # ValueError naming unroll_buckets
     if sample_compressor is not None and not isinstance(sample_compressor, qc.Compressor):
         raise ValueError("sample_compressor must be a qcollect Compressor or None, got "
                          f"{type(sample_compressor).__name__}")
@@ -434,9 +448,10 @@ def gradiveq(axis_name, *, key: jax.Array, slice_size: int | Callable,
             means = [flat["mean"][i] for i in idx]
             sums, contributed, votes = lax.cond(
                 compressing,
-                lambda: _aggregate_pca(xs, bases, means, axis_name, step_key, stop_loss),
+                lambda: _aggregate_pca(xs, bases, means, axis_name, step_key, stop_loss,
+                                       unroll_buckets),
                 lambda: _aggregate_sampled(xs, axis_name, sample_compressor, step_key,
-                                           sample_algorithm))
+                                           sample_algorithm, unroll_buckets))
             for j, i in enumerate(idx):
                 value = sums[j] / n if mean else sums[j]
                 out[i] = value.astype(leaves[i].dtype)

@@ -21,6 +21,11 @@ def simulate_cpu_devices(default: int = 8):
     """
     import qcollect.launch
 
+    # XLA:CPU's LAPACK calls (GradiVeQ's eigendecompositions) go to OpenBLAS,
+    # whose own threads then fight the simulated devices' for the cores: one
+    # OpenBLAS thread halved a GradiVeQ run at width 2048 on 2 cores (38 s to
+    # 19 s for 12 steps with two refits).
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     if qcollect.launch.is_launched():
         qcollect.launch.initialize()
         return

@@ -26,7 +26,8 @@ Methods are ``METHOD`` or ``METHOD/ALGORITHM`` (``ring``, ``pairwise``,
 ring for linear compressors, else pairwise), e.g. ``qsgd-4/ring_requantize``,
 with an optional ``@U`` for `compressed_all_reduce`'s ``unroll_buckets``
 (``qsgd-4@0``: every class of equal buckets as one batch; ``qsgd-4@none``: one
-traced copy per bucket), so both programs compare side by side.
+traced copy per bucket; ``qsgd-4@auto``: the default, by bucket size), so the
+programs compare side by side.
 
 Each method's sizes are compiled, smallest first, by one worker process that
 first compiles the method once on a tiny tree (so the first size does not pay
@@ -52,6 +53,8 @@ import threading
 import time
 
 import numpy as np
+
+from qcollect.bench._profile import profile_table
 
 _MARK = "@@qcollect-compile "  # prefix of the worker's result lines on stdout
 _AXIS = "d"
@@ -98,7 +101,8 @@ def parse_method(method: str, devices: int = 2):
     """``(compressor or None, algorithm, unroll_buckets)`` of
     ``METHOD[/ALGORITHM][@UNROLL]``.
 
-    ``@UNROLL`` sets `compressed_all_reduce`'s ``unroll_buckets``: an int
+    ``@UNROLL`` sets `compressed_all_reduce`'s ``unroll_buckets``: ``@auto``
+    (the default: batched by bucket size, `qcollect.runs_batched`), an int
     (``@0``: every class of equal buckets runs as one batch) or ``@none`` (the
     program traced once per bucket); without it, the default.
 
@@ -123,7 +127,8 @@ def parse_method(method: str, devices: int = 2):
         try:
             unroll = parse_unroll(unroll_text)
         except ValueError:
-            raise ValueError(f"unroll in {method!r} must be an int >= 0 or 'none'") from None
+            raise ValueError(f"unroll in {method!r} must be 'auto', an int >= 0 or "
+                             f"'none'") from None
     algorithm = algorithm or "auto"
     if algorithm != "auto" and algorithm not in qc.ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r} in {method!r}; "
@@ -134,12 +139,15 @@ def parse_method(method: str, devices: int = 2):
     return compressor, algorithm, unroll
 
 
-def parse_unroll(text: str) -> int | None:
-    """A method's ``@U`` suffix as ``unroll_buckets``: an int >= 0, or None for ``none``."""
+def parse_unroll(text: str) -> int | str | None:
+    """A method's ``@U`` suffix as ``unroll_buckets``: ``auto``, an int >= 0, or
+    None for ``none``."""
     if text == "none":
         return None
+    if text == "auto":
+        return text
     if not text.isdigit():
-        raise ValueError(f"unroll_buckets must be an int >= 0 or 'none', got {text!r}")
+        raise ValueError(f"unroll_buckets must be 'auto', an int >= 0 or 'none', got {text!r}")
     return int(text)
 
 
@@ -211,10 +219,13 @@ def kernel_counts(hlo: str) -> tuple[int, int]:
     return len(fusions), len(set(fusions))
 
 
-def _lower_and_compile(mesh, method: str, blocks: int, width: int, runs: int = 0) -> dict:
+def _lower_and_compile(mesh, method: str, blocks: int, width: int, runs: int = 0,
+                       profile: int = 0) -> dict:
     """Lowers and compiles ``method`` for ``blocks`` blocks on ``mesh``; with
     ``runs``, then also runs it that many times on random gradients (the
-    only case where anything is allocated) and adds the median ``step_ms``."""
+    only case where anything is allocated) and adds the median ``step_ms``;
+    with ``profile``, also the ``profile`` operations with the most device
+    time (`qcollect.bench._profile.op_times`)."""
     import jax
     from jax import lax
     from jax.sharding import NamedSharding
@@ -267,6 +278,10 @@ def _lower_and_compile(mesh, method: str, blocks: int, width: int, runs: int = 0
             jax.block_until_ready(compiled(*args))
             times.append(time.perf_counter() - begin)
         record["step_ms"] = 1e3 * float(np.median(times))
+        if profile:
+            from qcollect.bench._profile import op_times
+
+            record["profile"] = op_times(compiled, args)[:profile]
     return record
 
 
@@ -286,7 +301,7 @@ def _worker(spec: dict) -> int:
     for blocks in spec["blocks"]:
         try:
             emit(_lower_and_compile(mesh, spec["method"], blocks, spec["width"],
-                                    spec.get("runs", 0)))
+                                    spec.get("runs", 0), spec.get("profile", 0)))
         except Exception as e:  # noqa: BLE001 - reported in the table, the worker goes on
             emit({"error": f"{type(e).__name__}: {e}"})
     return 0
@@ -301,7 +316,7 @@ def _worker_env(devices: int) -> dict:
 
 
 def _run_method(method: str, blocks: list[int], width: int, devices: int, timeout: float,
-                on_result, runs: int = 0) -> None:
+                on_result, runs: int = 0, profile: int = 0) -> None:
     """Runs one worker for ``method``; ``on_result(index, record)`` for each block count.
 
     A record is the worker's measurement, ``{"timeout": T}`` for the count
@@ -310,7 +325,7 @@ def _run_method(method: str, blocks: list[int], width: int, devices: int, timeou
     ``{"skipped": ...}`` for the larger counts after it, or ``{"error": ...}``.
     """
     spec = json.dumps({"method": method, "blocks": blocks, "width": width, "devices": devices,
-                       "runs": runs})
+                       "runs": runs, "profile": profile})
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen([sys.executable, "-m", "qcollect.bench.compile", "--worker", spec],
                                 stdout=subprocess.PIPE, stderr=err, text=True,
@@ -405,6 +420,10 @@ def tables(rows: list[dict], methods: list[str], devices: int) -> str:
             if "lower_s" not in r:
                 cells = [cells[0]] + [""] * (len(fields) - 1)
             out.append(f"| {params:,} | {leaves:,} | " + " | ".join(cells) + " |")
+    for r in rows:
+        if r.get("profile"):
+            out += ["", f"### {r['method']}, {r['parameters']:,} parameters: device time",
+                    "", profile_table(r["profile"], len(r["profile"]))]
     timeouts = sorted({r["timeout"] for r in rows if "timeout" in r})
     if timeouts:
         out += ["", f"\"> {timeouts[0]:g} s\": lower + compile ran past the timeout and was "
@@ -426,7 +445,7 @@ def _progress(total: int):
 
 
 def run(targets: list[float], methods: list[str], width: int, devices: int,
-        timeout: float, runs: int = 0) -> list[dict]:
+        timeout: float, runs: int = 0, profile: int = 0) -> list[dict]:
     """One row per (size, method): sizes as ``--params`` targets in millions."""
     blocks = sorted(set(blocks_for(t, width) for t in targets))
     leaves = len(block_shapes(width))
@@ -447,7 +466,7 @@ def run(targets: list[float], methods: list[str], width: int, devices: int,
                 print(f"compile: {method}, {rows[-1]['parameters']:,} parameters: "
                       f"{_cell(record)}", file=sys.stderr, flush=True)
 
-        _run_method(method, blocks, width, devices, timeout, on_result, runs)
+        _run_method(method, blocks, width, devices, timeout, on_result, runs, profile)
     if bar is not None:
         bar.close()
     return rows
@@ -462,8 +481,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                    help="comma-separated METHOD or METHOD/ALGORITHM, METHOD one of "
                         f"{', '.join(METHODS)}, ALGORITHM one of ring, pairwise, "
-                        f"ring_requantize; a suffix @U sets unroll_buckets (an int, or "
-                        f"@none: never batch) (default {','.join(DEFAULT_METHODS)})")
+                        f"ring_requantize; a suffix @U sets unroll_buckets (@auto, an int, "
+                        f"or @none: never batch) (default {','.join(DEFAULT_METHODS)})")
     p.add_argument("--width", type=int, default=512,
                    help="model width d: blocks of d x d, d x 4d, 4d x d, d (default 512)")
     p.add_argument("--devices", type=int, default=8,
@@ -474,6 +493,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="also run each compiled program this many times on random "
                         "gradients (allocates them) and report the median step ms "
                         "(default 0: compile only)")
+    p.add_argument("--profile", type=int, default=0, metavar="K",
+                   help="with --runs: also profile each program and list its K operations "
+                        "with the most device time (default 0: no profile)")
     p.add_argument("--out", default=None,
                    help="directory to write compile.md and compile.json to")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -495,6 +517,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--width, --devices and --timeout must be positive")
     if args.runs < 0:
         parser.error(f"--runs must be 0 or more, got {args.runs}")
+    if args.profile < 0 or (args.profile and not args.runs):
+        parser.error(f"--profile must be 0 or more and needs --runs, got {args.profile}")
     methods = list(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip()))
     if not methods:
         parser.error("--methods names no method")
@@ -504,7 +528,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             parser.error(f"--methods: {e}")
     start = time.perf_counter()
-    rows = run(targets, methods, args.width, args.devices, args.timeout, args.runs)
+    rows = run(targets, methods, args.width, args.devices, args.timeout, args.runs,
+               args.profile)
     text = tables(rows, methods, args.devices)
     print(text, flush=True)
     print(f"\n({time.perf_counter() - start:.0f} s in all)", file=sys.stderr, flush=True)

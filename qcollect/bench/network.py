@@ -110,7 +110,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="bucket size in MiB (compressed_all_reduce's and ring_all_reduce's "
                         "bucket_bytes; default 4)")
     p.add_argument("--unroll", default="",
-                   help="comma-separated unroll_buckets values (ints >= 0 or 'none'): each "
+                   help="comma-separated unroll_buckets values ('auto', ints >= 0 or 'none'): each "
                         "compressed method is measured once per value, as METHOD@U, so a "
                         "batch of equal buckets (@0) and the program traced bucket by bucket "
                         "(@none) run side by side (default: the library's default only)")
