@@ -134,13 +134,16 @@ class TrainConfig:
         return COMPRESSOR_NAMES if "all" in self.compressors else self.compressors
 
 
+def parse_bool(text: str) -> bool:
+    """A boolean flag's value: ``true``/``false`` (or ``1``/``0``, ``yes``/``no``)."""
+    if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() in ("true", "1", "yes")
+
+
 def _parser_for(field: dataclasses.Field, hint):
     if hint is bool:
-        def parse(text: str) -> bool:
-            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-            return text.lower() in ("true", "1", "yes")
-        return parse
+        return parse_bool
     if typing.get_origin(hint) is tuple:
         item = typing.get_args(hint)[0]
         return lambda text: tuple(item(part) for part in text.split(",") if part)

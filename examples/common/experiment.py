@@ -33,26 +33,55 @@ def progress_bar(total: int, desc: str, initial: int = 0):
                 dynamic_ncols=True, initial=initial)
 
 
+def prepare(cfg, build_model, image_shape, data=None, mesh=None):
+    """The model of ``cfg`` on its mesh and the data cut and shaped for it.
+
+    Args:
+      cfg: a `TrainConfig` (``train_examples``, ``test_examples``, ``mesh``,
+        ``nodes`` and ``data_dir`` are read here).
+      build_model: ``cfg -> nnx.Module``.
+      image_shape: the model's input shape, e.g. ``(784,)`` or ``(28, 28, 1)``.
+      data: an `MNIST` (default: `load_mnist` of ``cfg.data_dir``).
+      mesh: the data-parallel mesh (default: `data_mesh` of ``cfg``).
+
+    Returns:
+      ``(dp, data)``: a `DataParallel` and the data the runs train on.
+    """
+    if data is None:
+        data = load_mnist(cfg.data_dir or None)
+    data = data.take(cfg.train_examples or None, cfg.test_examples or None)
+    data = with_image_shape(data, image_shape)
+    mesh = data_mesh(cfg.mesh, cfg.nodes) if mesh is None else mesh
+    return DataParallel(build_model(cfg), mesh), data
+
+
+def describe(dp: DataParallel, data, cfg, title: str) -> str:
+    """One line: parameters, devices, mesh, platform, training images, global batch."""
+    params = sum(x.size for x in jax.tree.leaves(dp.params))
+    shape = " x ".join(f"{size} {name}" for name, size in dp.mesh.shape.items())
+    return (f"{title}: {params:,} parameters, {dp.num_devices} devices ({shape}, "
+            f"{jax.devices()[0].platform}), {len(data.x_train):,} training images "
+            f"({data.source}), global batch {cfg.batch_size * dp.num_devices}")
+
+
+def train_each(dp: DataParallel, cfg, data, lead: bool = True) -> list:
+    """`train` with each of ``cfg.compressor_names`` from the same start, in order
+    (a progress bar per run when ``cfg.progress`` and ``lead``)."""
+    bar = progress_bar if cfg.progress and lead else None
+    return [train(dp, name, cfg, data, progress=bar) for name in cfg.compressor_names]
+
+
 def run(cfg, build_model, image_shape, stem: str, title: str, data=None):
     """Trains ``build_model(cfg)`` with each of ``cfg.compressor_names``.
 
     Returns the list of `RunResult`. Process 0 prints the table and writes
     ``{output_dir}/{stem}.{md,json,png}``.
     """
-    if data is None:
-        data = load_mnist(cfg.data_dir or None)
-    data = data.take(cfg.train_examples or None, cfg.test_examples or None)
-    data = with_image_shape(data, image_shape)
-    dp = DataParallel(build_model(cfg), data_mesh(cfg.mesh, cfg.nodes))
+    dp, data = prepare(cfg, build_model, image_shape, data)
     lead = jax.process_index() == 0
     if lead:
-        params = sum(x.size for x in jax.tree.leaves(dp.params))
-        shape = " x ".join(f"{size} {name}" for name, size in dp.mesh.shape.items())
-        print(f"{title}: {params:,} parameters, {dp.num_devices} devices ({shape}, "
-              f"{jax.devices()[0].platform}), {len(data.x_train):,} training images "
-              f"({data.source}), global batch {cfg.batch_size * dp.num_devices}", flush=True)
-    bar = progress_bar if cfg.progress and lead else None
-    results = [train(dp, name, cfg, data, progress=bar) for name in cfg.compressor_names]
+        print(describe(dp, data, cfg, title), flush=True)
+    results = train_each(dp, cfg, data, lead)
     base = next((r.wire_bytes for r in results if r.name == report.BASELINE), None)
     if base is None:
         base = baseline_wire_bytes(dp, cfg, data)

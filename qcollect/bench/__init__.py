@@ -1,4 +1,7 @@
-"""Benchmarks: ``python -m qcollect.bench {quantizers,collectives,network,structure,compile}``.
+"""Benchmarks: ``python -m qcollect.bench BENCHMARK``.
+
+``BENCHMARK`` is one of quantizers, collectives, network, structure, compile
+and training (the training gate, `qcollect.bench.training`).
 
 Benchmarks are scripts, not tests: they print measured tables (medians of
 interleaved repetitions, so slow drifts of a shared machine hit every column

@@ -8,6 +8,7 @@ BENCHMARKS = {
     "network": "qcollect.bench.network",
     "structure": "qcollect.bench.structure",
     "compile": "qcollect.bench.compile",
+    "training": "qcollect.bench.training",
 }
 
 
