@@ -3,7 +3,7 @@
 Each run (one compressor) checkpoints into ``{checkpoint_dir}/{name}/step_<n>``:
 the replicated parameters, the optimizer state (error-feedback residuals per
 device, the rest replicated) and the step count ``n``, which is also the
-position in the data order (`common.train.batches` is a function of the seed
+position in the data order (`common.task.Task.batches` is a function of the seed
 and the step). Host-side state that shapes the compiled step (the entropy
 quantizer's current plans and margin) goes beside it as JSON,
 ``step_<n>.json``, written before the arrays so that every complete

@@ -18,10 +18,14 @@ qsgd-b         ... ``qc.qsgd(bits=b)`` (Grubic eq. 1, default buckets)
 entropy[-c]    ... ``qc.entropy(floor=c)`` with host-side plans (Oland & Raj)
 powersgd       `transforms.powersgd` (Vogels et al.)
 gradiveq       `transforms.gradiveq` (Yu et al.)
+local          no all-reduce: each device steps on its own gradient (the
+               step's compute alone, to time what the all-reduce adds; the
+               replicas drift apart, so its loss means nothing)
 =============  ==============================================================
 
 All but ``none`` keep error feedback; compressed_all_reduce leaves with fewer
 than ``cfg.min_size`` values (biases) are averaged uncompressed.
+`compressed_leaves` says which leaves each name compresses.
 """
 
 from __future__ import annotations
@@ -30,11 +34,13 @@ import math
 from typing import NamedTuple
 
 import jax
+import numpy as np
 import optax
 from jax import lax
 
 import qcollect as qc
 import transforms
+from common.config import COMPUTE_ONLY
 
 
 class Communication(NamedTuple):
@@ -46,11 +52,14 @@ class Communication(NamedTuple):
         compressed), so wire bytes differ per phase.
       entropy: the entropy compressor when the step needs host-side plans
         (`examples.common.entropy_plan`), else None.
+      replicated: the update is the same on every device (False only for
+        ``local``, which reduces nothing).
     """
 
     tx: optax.GradientTransformation
     phased: bool = False
     entropy: qc.EntropyCompressor | None = None
+    replicated: bool = True
 
 
 def pmean(axis_name) -> optax.GradientTransformation:
@@ -99,6 +108,8 @@ def communication(name: str, cfg, axis_name, key) -> Communication:
     """
     if name == "none":
         return Communication(pmean(axis_name))
+    if name == COMPUTE_ONLY:
+        return Communication(optax.identity(), replicated=False)
     if name == "bf16":
         return Communication(_compressed(qc.cast("bfloat16"), cfg, axis_name, key))
     if name == "onebit":
@@ -122,18 +133,57 @@ def communication(name: str, cfg, axis_name, key) -> Communication:
                                                  start_iter=cfg.powersgd_start),
                              phased=cfg.powersgd_start > 0)
     if name == "gradiveq":
-        rank = cfg.gradiveq_rank
-        slice_size = lambda path, leaf: gradiveq_slice_size(  # noqa: E731
-            leaf.shape, min_slice=rank * cfg.gradiveq_compression)
-        return Communication(transforms.gradiveq(
-            axis_name, key=key, slice_size=slice_size, loss_threshold=cfg.gradiveq_loss,
-            max_rank=rank, warmup_steps=cfg.gradiveq_warmup,
-            sample_steps=cfg.gradiveq_sample_steps,
-            compressed_steps=cfg.gradiveq_compressed_steps,
-            sample_slices=cfg.gradiveq_sample_slices, min_size=cfg.min_size,
-            error_feedback=cfg.gradiveq_error_feedback),
-            phased=True)
+        return Communication(gradiveq_transform(cfg, axis_name, key), phased=True)
     raise ValueError(f"unknown compressor {name!r}")
+
+
+def gradiveq_transform(cfg, axis_name, key, **kwargs) -> optax.GradientTransformation:
+    """`transforms.gradiveq` with the settings of ``cfg`` (and ``kwargs``, e.g.
+    ``sample_compressor=None`` for exact warm-up and sampling steps)."""
+    rank = cfg.gradiveq_rank
+    slice_size = lambda path, leaf: gradiveq_slice_size(  # noqa: E731
+        leaf.shape, min_slice=rank * cfg.gradiveq_compression)
+    return transforms.gradiveq(
+        axis_name, key=key, slice_size=slice_size, loss_threshold=cfg.gradiveq_loss,
+        max_rank=rank, warmup_steps=cfg.gradiveq_warmup,
+        sample_steps=cfg.gradiveq_sample_steps,
+        compressed_steps=cfg.gradiveq_compressed_steps,
+        sample_slices=cfg.gradiveq_sample_slices, min_size=cfg.min_size,
+        error_feedback=cfg.gradiveq_error_feedback, **kwargs)
+
+
+def compressed_leaves(name: str, cfg, tree) -> list[bool]:
+    """Which leaves of ``tree`` (flatten order) the all-reduce of ``name`` compresses.
+
+    The transforms' own leaf rules, with the settings `communication` gives
+    them: ``none`` compresses nothing; `transforms.powersgd` the matrices
+    whose rank-``r`` factors are at least twice smaller
+    (`qcollect.powersgd_should_compress`); `transforms.gradiveq` the leaves of
+    two or more dimensions with a slice size K (`gradiveq_slice_size`) and at
+    least ``max(cfg.min_size, K)`` values; the others
+    (`transforms.compressed_all_reduce`) the leaves with at least
+    ``cfg.min_size`` values.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from common.config import TrainConfig
+      >>> tree = {"kernel": jnp.zeros((64, 32)), "bias": jnp.zeros(32)}
+      >>> compressed_leaves("qsgd-4", TrainConfig(), tree)   # flatten order: bias, kernel
+      [False, True]
+      >>> compressed_leaves("none", TrainConfig(), tree)
+      [False, False]
+    """
+    shapes = [np.shape(leaf) for leaf in jax.tree.leaves(tree)]
+    if name in ("none", COMPUTE_ONLY):
+        return [False] * len(shapes)
+    if name == "powersgd":
+        return [qc.powersgd_should_compress(s, cfg.powersgd_rank) for s in shapes]
+    if name == "gradiveq":
+        min_slice = cfg.gradiveq_rank * cfg.gradiveq_compression
+        slices = [gradiveq_slice_size(s, min_slice=min_slice) for s in shapes]
+        return [k is not None and len(s) >= 2 and math.prod(s) >= max(cfg.min_size, k)
+                for s, k in zip(shapes, slices, strict=True)]
+    return [math.prod(s) >= cfg.min_size for s in shapes]
 
 
 def entropy_transform(c: qc.EntropyCompressor, plans: dict | None, cfg, axis_name, key):

@@ -14,7 +14,11 @@ import typing
 
 COMPRESSOR_NAMES = ("none", "bf16", "onebit", "onebit-column", "threshold", "adaptive", "qsgd-2",
                     "qsgd-4", "qsgd-8", "entropy", "powersgd", "gradiveq")
-OPTIMIZERS = ("adagrad", "sgd", "momentum", "adam")
+# No all-reduce at all: every device steps on its own gradient. Not a
+# compressor and not in ``all``: it times the step's compute alone, so that
+# what the all-reduce adds to a step can be measured in the same run.
+COMPUTE_ONLY = "local"
+OPTIMIZERS = ("adagrad", "sgd", "momentum", "adam", "adamw")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,11 +105,12 @@ class TrainConfig:
 
     def __post_init__(self):
         names = self.compressors
-        unknown = [n for n in names if n not in COMPRESSOR_NAMES + ("all",)
+        unknown = [n for n in names if n not in COMPRESSOR_NAMES + ("all", COMPUTE_ONLY)
                    and not re.fullmatch(r"entropy-([1-9]|1[0-5])", n)]
         if not names or unknown:
             raise ValueError(f"compressors must be names from {COMPRESSOR_NAMES}, "
-                             f"'entropy-<floor c>' or 'all', got {unknown or names}")
+                             f"'entropy-<floor c>', {COMPUTE_ONLY!r} or 'all', "
+                             f"got {unknown or names}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         for name in ("batch_size", "entropy_replan_every", "entropy_block", "powersgd_rank",

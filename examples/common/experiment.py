@@ -13,17 +13,21 @@ from common import report
 from common.compressors import pmean
 from common.devices import data_mesh
 from common.mnist import load_mnist
+from common.task import as_task
 from common.train import DataParallel, make_optimizer, train, with_image_shape
 
 
-def baseline_wire_bytes(dp: DataParallel, cfg, data) -> int:
-    """Wire bytes per step of the ``lax.pmean`` baseline (compiled, not run)."""
-    tx = optax.chain(pmean(dp.axis), make_optimizer(cfg))
+def baseline_wire_bytes(dp: DataParallel, cfg, data, optimizer=None) -> int:
+    """Wire bytes per step of the ``lax.pmean`` baseline (compiled, not run).
+
+    ``data``: an `MNIST` or a `common.task.Task` (its first batch sets the
+    shapes); ``optimizer``: as in `train`.
+    """
+    tx = optax.chain(pmean(dp.axis), make_optimizer(cfg) if optimizer is None else optimizer)
     params = dp.replicate(dp.params)
     state = dp.init(tx, params)
-    rows = cfg.batch_size * dp.num_devices
-    return qc.wire_bytes(dp.step(tx, state), params, state,
-                         *dp.batch(data.x_train[:rows], data.y_train[:rows]))
+    x, y = next(as_task(data).batches(cfg.batch_size * dp.num_devices, 1, cfg.seed))
+    return qc.wire_bytes(dp.step(tx, state), params, state, *dp.batch(x, y))
 
 
 def progress_bar(total: int, desc: str, initial: int = 0):
@@ -64,11 +68,13 @@ def describe(dp: DataParallel, data, cfg, title: str) -> str:
             f"({data.source}), global batch {cfg.batch_size * dp.num_devices}")
 
 
-def train_each(dp: DataParallel, cfg, data, lead: bool = True) -> list:
+def train_each(dp: DataParallel, cfg, data, lead: bool = True, optimizer=None) -> list:
     """`train` with each of ``cfg.compressor_names`` from the same start, in order
-    (a progress bar per run when ``cfg.progress`` and ``lead``)."""
+    (a progress bar per run when ``cfg.progress`` and ``lead``; ``optimizer``
+    as in `train`)."""
     bar = progress_bar if cfg.progress and lead else None
-    return [train(dp, name, cfg, data, progress=bar) for name in cfg.compressor_names]
+    return [train(dp, name, cfg, data, progress=bar, optimizer=optimizer)
+            for name in cfg.compressor_names]
 
 
 def run(cfg, build_model, image_shape, stem: str, title: str, data=None):

@@ -29,23 +29,39 @@ def across_nodes(result) -> int | None:
     return qc.bytes_along(split, "node")
 
 
-def table(results, baseline_bytes: int | None) -> str:
-    """A markdown table: accuracy, wire bytes (and those across nodes on a
-    ``node,local`` mesh), ratio to ``lax.pmean``, step time."""
+def accuracy_column(result) -> str:
+    """The MNIST tables' metric: the final test accuracy in percent."""
+    return f"{100 * result.final_accuracy:.2f}%"
+
+
+def table(results, baseline_bytes: int | None, *, metric=("test accuracy", accuracy_column),
+          extra=()) -> str:
+    """A markdown table: the metric, wire bytes (and those across nodes on a
+    ``node,local`` mesh), ratio to ``lax.pmean``, step time.
+
+    Args:
+      results: `common.train.RunResult` of each run.
+      baseline_bytes: ``lax.pmean``'s wire bytes per step (for the ratio).
+      metric: ``(header, f(result) -> text)`` of the second column.
+      extra: more ``(header, f(result) -> text)`` columns after the wire bytes.
+    """
     nodes = any(across_nodes(r) is not None for r in results)
-    rows = ["| compressor | test accuracy | wire bytes / step / device | vs pmean "
+    rows = [f"| compressor | {metric[0]} | wire bytes / step / device |"
+            + "".join(f" {head} |" for head, _ in extra) + " vs pmean "
             "| bits / value |" + (" across nodes / step / device |" if nodes else "")
             + " median step (ms) | run (s) |",
-            "|---|---|---|---|---|" + ("---|" if nodes else "") + "---|---|"]
+            "|---|---|---|" + "---|" * len(extra) + "---|---|" + ("---|" if nodes else "")
+            + "---|---|"]
     for r in results:
         x = ratio(r, baseline_bytes)
         wire = f"{r.wire_bytes:,}"
         if r.wire_bytes_max != r.wire_bytes:
             wire += f" (up to {r.wire_bytes_max:,} in other phases)"
         cross = f" {across_nodes(r) or 0:,} |" if nodes else ""
-        rows.append(f"| {r.name} | {100 * r.final_accuracy:.2f}% | {wire} | {x:.1f}x "
-                    f"| {32 / x:.2f} |{cross} {1e3 * r.step_seconds:.1f} "
-                    f"| {r.total_seconds:.0f} |")
+        more = "".join(f" {column(r)} |" for _, column in extra)
+        compression = f"{x:.1f}x | {32 / x:.2f}" if x == x else "- | -"  # nan: sends nothing
+        rows.append(f"| {r.name} | {metric[1](r)} | {wire} |{more} {compression} |{cross} "
+                    f"{1e3 * r.step_seconds:.1f} | {r.total_seconds:.0f} |")
     return "\n".join(rows)
 
 

@@ -1,5 +1,11 @@
 """Data-parallel training of a Flax NNX model with `jax.shard_map`.
 
+One loop for every example: a `common.task.Task` gives the batches and
+the evaluation (`Classification` of MNIST images, test accuracy;
+`common.text.NextBytes` of text windows, validation bits per byte), the
+model maps a batch of inputs to logits and the loss is their cross-entropy
+against the targets.
+
 The mesh is one axis ``"data"`` over every device, or ``("node", "local")``
 (nodes of devices): the gradients are then reduced hierarchically,
 uncompressed inside a node and compressed across nodes.
@@ -14,9 +20,10 @@ all-reduces them into an update that is the same on every device.
 Every step is awaited (``jax.block_until_ready``): XLA:CPU's in-process
 collectives can deadlock when several collective programs are queued.
 
-Batches are cut from one global permutation per epoch (same seed, same order
-for every compressor); with several processes (``jax.distributed``) each
-process feeds its devices' rows (``jax.make_array_from_process_local_data``).
+MNIST batches are cut from one global permutation per epoch (same seed,
+same order for every compressor); with several processes
+(``jax.distributed``) each process feeds its devices' rows
+(``jax.make_array_from_process_local_data``).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from common import entropy_plan
 from common.checkpoints import Checkpoints, step_of
 from common.compressors import Communication, communication
 from common.devices import local_values
+from common.task import as_task, batches  # noqa: F401  (batches: kept importable from here)
 
 AXIS = "data"
 
@@ -50,7 +58,10 @@ class RunResult:
 
     Attributes:
       name: compressor name.
-      steps / accuracy: evaluation points: step count and test accuracy.
+      steps / accuracy: evaluation points: step count and the task's
+        evaluation (`common.task.Task.evaluate`): test accuracy for MNIST,
+        validation bits per byte for the language model (the field keeps
+        the name of the MNIST records).
       losses: mean training loss of every step.
       wire_bytes: bytes each device sends per step (`qcollect.wire_bytes` of
         the compiled step); for phased all-reduces, the cheapest phase.
@@ -82,12 +93,31 @@ class RunResult:
         return self.accuracy[-1]
 
 
-def make_optimizer(cfg) -> optax.GradientTransformation:
-    """The optimizer chained after the all-reduce (AdaGrad by default, as Dryden et al.)."""
-    lr = cfg.learning_rate
+def make_optimizer(cfg, learning_rate: float | optax.Schedule | None = None, *,
+                   weight_decay: float = 1e-4) -> optax.GradientTransformation:
+    """The optimizer chained after the all-reduce (AdaGrad by default, as Dryden et al.).
+
+    Args:
+      cfg: a `TrainConfig` (``optimizer``, ``learning_rate``).
+      learning_rate: a step size or an optax schedule (default ``cfg.learning_rate``).
+      weight_decay: AdamW's decoupled weight decay, applied to matrices only
+        (kernels, embeddings; not biases or LayerNorm scales).
+
+    Example:
+      >>> from common.config import TrainConfig
+      >>> tx = make_optimizer(TrainConfig(optimizer="adamw"), optax.cosine_decay_schedule(
+      ...     1e-3, 100), weight_decay=0.1)
+    """
+    lr = cfg.learning_rate if learning_rate is None else learning_rate
     return {"adagrad": lambda: optax.adagrad(lr), "sgd": lambda: optax.sgd(lr),
             "momentum": lambda: optax.sgd(lr, momentum=0.9),
-            "adam": lambda: optax.adam(lr)}[cfg.optimizer]()
+            "adam": lambda: optax.adam(lr),
+            "adamw": lambda: optax.adamw(lr, weight_decay=weight_decay, mask=_matrices),
+            }[cfg.optimizer]()
+
+
+def _matrices(params):
+    return jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
 
 
 def cross_entropy(logits, labels):
@@ -97,8 +127,12 @@ def cross_entropy(logits, labels):
 class DataParallel:
     """One NNX model, a mesh, and jitted data-parallel steps.
 
+    The loss is the mean cross-entropy of the logits against integer targets
+    of the same leading shape: one class per image, or one next byte per
+    position of a text window.
+
     Args:
-      model: an ``nnx.Module`` mapping a batch of images to logits.
+      model: an ``nnx.Module`` mapping a batch of inputs to logits.
       mesh: the data-parallel mesh (`common.devices.data_mesh`): one axis
         ``"data"`` (default, all devices) or ``("node", "local")``; the
         batch is split over all its axes and the gradients reduced over
@@ -119,20 +153,23 @@ class DataParallel:
         """Per device (inside the mapped function): loss and gradients."""
         return jax.value_and_grad(self.loss)(params, x, y)
 
-    def shard_map(self, body, state_specs, out_specs):
+    def shard_map(self, body, state_specs, out_specs, *, replicated: bool = True):
         """``jit(shard_map(body))`` of ``(params, opt_state, x, y)``: params
-        replicated, the state by ``state_specs``, the batch split over the mesh."""
+        replicated, the state by ``state_specs``, the batch split over the mesh.
+        ``replicated=False`` turns off shard_map's check that the ``P()``
+        outputs are the same on every device (each device keeps its own)."""
         return jax.jit(jax.shard_map(body, mesh=self.mesh,
                                      in_specs=(P(), state_specs, P(self.axis), P(self.axis)),
-                                     out_specs=out_specs))
+                                     out_specs=out_specs, check_vma=replicated))
 
-    def step(self, tx: optax.GradientTransformation, opt_state):
+    def step(self, tx: optax.GradientTransformation, opt_state, *, replicated: bool = True):
         """``step(params, opt_state, x, y) -> (params, opt_state, losses, finite)``.
 
         ``losses`` has one entry per device and ``finite`` says whether the
         new parameters are finite (they are the same on every device); no
         collective is spent on either, so the step's wire bytes are the
-        gradients' alone.
+        gradients' alone. ``replicated=False``: ``tx`` does not make the
+        update the same on every device (`Communication.replicated`).
         """
         specs = transforms.state_specs(opt_state, self.axis)
 
@@ -144,7 +181,8 @@ class DataParallel:
                                         for v in jax.tree.leaves(params)]))
             return params, opt_state, loss[None], finite
 
-        return self.shard_map(body, specs, (P(), specs, P(self.axis), P()))
+        return self.shard_map(body, specs, (P(), specs, P(self.axis), P()),
+                              replicated=replicated)
 
     def replicate(self, tree):
         """``tree`` replicated (``P()``) on the mesh, from this process's copy."""
@@ -171,10 +209,23 @@ class DataParallel:
 
     def accuracy(self, params, x, y, batch: int = 2000) -> float:
         """Test accuracy of the (replicated) parameters, on one local device."""
-        p = jax.tree.map(lambda a: a.addressable_data(0), params)
+        p = _local(params)
         hits = sum(int(_hits(self.graphdef, p, x[i:i + batch], y[i:i + batch]))
                    for i in range(0, len(x), batch))
         return hits / max(len(x), 1)
+
+    def mean_loss(self, params, x, y, batch: int = 64) -> float:
+        """Mean cross-entropy (nats) of the (replicated) parameters over every
+        target of ``y``, on one local device, ``batch`` rows at a time."""
+        p = _local(params)
+        total = sum(float(_loss_sum(self.graphdef, p, x[i:i + batch], y[i:i + batch]))
+                    for i in range(0, len(x), batch))
+        return total / max(y.size, 1)
+
+
+def _local(params):
+    """This process's first copy of replicated parameters."""
+    return jax.tree.map(lambda a: a.addressable_data(0), params)
 
 
 @jax.jit(static_argnums=0)
@@ -182,22 +233,10 @@ def _hits(graphdef, params, x, y):
     return jnp.sum(jnp.argmax(nnx.merge(graphdef, params)(x), -1) == y)
 
 
-def batches(data, global_batch: int, steps: int, seed: int, start: int = 0):
-    """Global batches ``start .. steps - 1``: one permutation per epoch, remainder
-    dropped; batch ``i`` is the same whatever ``start`` is (for resuming)."""
-    n = len(data.x_train)
-    if global_batch > n:
-        raise ValueError(f"the global batch ({global_batch}) is larger than the training set ({n})")
-    rng = np.random.default_rng(seed)
-    per_epoch = n // global_batch
-    order = None
-    for i in range(steps):
-        if i % per_epoch == 0:
-            order = rng.permutation(n)
-        if i < start:
-            continue
-        rows = order[(i % per_epoch) * global_batch:(i % per_epoch + 1) * global_batch]
-        yield data.x_train[rows], data.y_train[rows]
+@jax.jit(static_argnums=0)
+def _loss_sum(graphdef, params, x, y):
+    logits = nnx.merge(graphdef, params)(x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).sum()
 
 
 def run_length(cfg, train_size: int, num_devices: int) -> int:
@@ -207,31 +246,35 @@ def run_length(cfg, train_size: int, num_devices: int) -> int:
     return max(1, int(cfg.epochs * (train_size // (cfg.batch_size * num_devices))))
 
 
-def train(dp: DataParallel, name: str, cfg, data, *, progress=None) -> RunResult:
+def train(dp: DataParallel, name: str, cfg, data, *, progress=None,
+          optimizer: optax.GradientTransformation | None = None) -> RunResult:
     """Trains ``dp``'s model from its initial parameters with compressor ``name``.
 
     Args:
       dp: the data-parallel model.
       name: a compressor name (`common.compressors`).
       cfg: a `TrainConfig`.
-      data: an `MNIST` whose images have the model's input shape.
+      data: a `common.task.Task`, or an `MNIST` whose images have the model's
+        input shape (trained as a `common.task.Classification`).
       progress: ``f(total, desc, initial=)`` returning a tqdm-like bar, or None.
+      optimizer: chained after the all-reduce (default `make_optimizer` of ``cfg``).
     """
     start = time.perf_counter()
+    task = as_task(data)
     key = jax.random.key(cfg.seed)
     comm: Communication = communication(name, cfg, dp.axis, key)
-    optimizer = make_optimizer(cfg)
+    optimizer = make_optimizer(cfg) if optimizer is None else optimizer
     tx = optax.chain(comm.tx, optimizer)
     planner = (entropy_plan.Planner(dp, comm.entropy, cfg, dp.axis, key, optimizer)
                if comm.entropy is not None else None)
     params = dp.replicate(dp.params)
     opt_state = dp.init(tx, params)
-    step = dp.step(tx, opt_state)
-    total = run_length(cfg, len(data.x_train), dp.num_devices)
+    step = dp.step(tx, opt_state, replicated=comm.replicated)
+    total = run_length(cfg, task.train_size, dp.num_devices)
     every = cfg.eval_every or max(1, total // 20)
     global_batch = cfg.batch_size * dp.num_devices
     ckpt = Checkpoints(cfg.checkpoint_dir, name, dp.axis) if cfg.checkpoint_dir else None
-    save_every = cfg.checkpoint_every or max(1, len(data.x_train) // global_batch)
+    save_every = cfg.checkpoint_every or max(1, task.train_size // global_batch)
     first = 0
     if ckpt is not None and cfg.resume and ckpt.latest_step() is not None:
         latest = ckpt.latest_step()
@@ -241,11 +284,10 @@ def train(dp: DataParallel, name: str, cfg, data, *, progress=None) -> RunResult
         saved = ckpt.host_state(latest)
         if planner is not None and saved is not None:
             step = planner.resume(saved, opt_state)
-    result = RunResult(name, [first], [dp.accuracy(params, data.x_test, data.y_test)], [],
-                       0, 0, 0.0, 0.0)
+    result = RunResult(name, [first], [task.evaluate(dp, params)], [], 0, 0, 0.0, 0.0)
     bar = progress(total, name, initial=first) if progress else None
     times, compiled, args = [], set(), None
-    for i, (x, y) in enumerate(batches(data, global_batch, total, cfg.seed, start=first),
+    for i, (x, y) in enumerate(task.batches(global_batch, total, cfg.seed, start=first),
                                start=first):
         args = (params, opt_state) + dp.batch(x, y)
         if planner is not None and (i % cfg.entropy_replan_every == 0 or planner.plans is None):
@@ -269,15 +311,15 @@ def train(dp: DataParallel, name: str, cfg, data, *, progress=None) -> RunResult
                       planner.host_state() if planner is not None else None)
         if (i + 1) % every == 0 or i + 1 == total:
             result.steps.append(i + 1)
-            result.accuracy.append(dp.accuracy(params, data.x_test, data.y_test))
+            result.accuracy.append(task.evaluate(dp, params))
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{result.losses[-1]:.3f}", acc=f"{result.accuracy[-1]:.4f}",
-                            refresh=False)
+            bar.set_postfix({"loss": f"{result.losses[-1]:.3f}",
+                             task.metric: f"{result.accuracy[-1]:.4f}"}, refresh=False)
     if bar is not None:
         bar.close()
     if args is None:  # resumed at the end: the step is measured, not run
-        x, y = next(batches(data, global_batch, 1, cfg.seed))
+        x, y = next(task.batches(global_batch, 1, cfg.seed))
         args = (params, opt_state) + dp.batch(x, y)
         if planner is not None and planner.plans is None:
             step = planner.step(*args)

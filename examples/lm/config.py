@@ -1,0 +1,70 @@
+"""Defaults of the language-model example: five compressors in about 20 minutes on 2 cores."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from common.config import TrainConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(TrainConfig):
+    """`TrainConfig` plus the transformer's shape, AdamW's schedule and the evaluation.
+
+    Default: a 4 x 128 GPT (4 heads, 128-byte context, tied embeddings,
+    842,496 parameters), 8 windows per device, 600 steps of AdamW at
+    3e-3 (30 warm-up steps, cosine decay to a tenth, weight decay 0.1 on the
+    matrices, gradients clipped at global norm 1 after the all-reduce),
+    evaluated every 30 steps on 256 validation windows. On 4 simulated
+    devices of a 2-core CPU a step takes about 0.32 s with any of the five
+    default compressors, a run about 4 minutes.
+
+    Attributes:
+      width / depth / heads / context: the model (`lm.model.GPT`).
+      tie_embeddings: the output head is the token embedding (transposed).
+      warmup_steps: linear warm-up of the learning rate from 0.
+      weight_decay: AdamW's decoupled weight decay (matrices only).
+      clip_norm: the averaged gradient's global norm is clipped to this.
+      val_windows: validation windows of ``context + 1`` bytes.
+      corpus_dir: ``.py`` files to train on instead of this Python's
+        standard library ("" : the standard library).
+      link_mbit: the rate of each process's link in Mbit/s, for the table's
+        wire floor (``8 * wire bytes / rate``: no step's all-reduce is
+        faster on that link); 0: no such column.
+    """
+
+    compressors: tuple[str, ...] = ("none", "qsgd-4", "onebit", "powersgd", "gradiveq")
+    optimizer: str = "adamw"
+    learning_rate: float = 3e-3
+    batch_size: int = 8
+    steps: int = 600
+    eval_every: int = 30
+    width: int = 128
+    depth: int = 4
+    heads: int = 4
+    context: int = 128
+    tie_embeddings: bool = True
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+    val_windows: int = 256
+    corpus_dir: str = ""
+    link_mbit: float = 0.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.link_mbit < 0:
+            raise ValueError(f"link_mbit must be >= 0, got {self.link_mbit!r}")
+        for name in ("width", "depth", "heads", "context", "val_windows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.width % self.heads:
+            raise ValueError(f"width must be a multiple of heads, got {self.width} and "
+                             f"{self.heads}")
+        if self.warmup_steps < 0 or self.weight_decay < 0 or not self.clip_norm > 0:
+            raise ValueError(f"warmup_steps and weight_decay must be >= 0 and clip_norm > 0, "
+                             f"got {self.warmup_steps}, {self.weight_decay}, {self.clip_norm}")
+        for name in ("train_examples", "test_examples", "data_dir"):
+            if getattr(self, name):
+                raise ValueError(f"{name} is an MNIST setting; the language model trains on "
+                                 "windows of its corpus (--corpus-dir, --val-windows)")

@@ -1,0 +1,166 @@
+"""Results of the language-model runs: the table, the two-panel plot, the JSON record.
+
+Bytes sent are measured (`RunResult.wire_bytes`, `common.wire_split`), never
+computed from the config. The cumulative bytes of a run add each step's
+measured cost (`common.wire_split.phase_bytes`): for PowerSGD its
+uncompressed phase for the first ``powersgd_start`` steps, then its
+compressed phase; for GradiVeQ its QSGD phase for the warm-up and the first
+``gradiveq_sample_steps`` of every cycle of ``gradiveq_sample_steps +
+gradiveq_compressed_steps``, its PCA phase for the rest (the example sets
+no stop-early vote, so that schedule is exact).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import numpy as np
+from common import report
+from common.config import COMPUTE_ONLY
+from matplotlib.figure import Figure
+
+
+def bytes_per_step(name: str, phases: dict, cfg, steps: int) -> np.ndarray:
+    """What each device sends at each step ``0 .. steps - 1`` of run ``name``,
+    from its measured ``phases`` (`common.wire_split.phase_bytes`).
+
+    Example:
+      >>> from lm.config import Config
+      >>> phases = {"uncompressed": 40, "compressed": 10}
+      >>> bytes_per_step("powersgd", phases, Config(powersgd_start=2), 4).tolist()
+      [40, 40, 10, 10]
+    """
+    step = np.arange(steps)
+    if "steady" in phases:
+        return np.full(steps, phases["steady"], np.int64)
+    if name == "powersgd":
+        return np.where(step < cfg.powersgd_start, phases["uncompressed"],
+                        phases["compressed"]).astype(np.int64)
+    since = step - cfg.gradiveq_warmup
+    cycle = cfg.gradiveq_sample_steps + cfg.gradiveq_compressed_steps
+    sampling = (since < 0) | (since % cycle < cfg.gradiveq_sample_steps)
+    return np.where(sampling, phases["qsgd"], phases["pca"]).astype(np.int64)
+
+
+def bytes_sent(result, phases: dict, cfg) -> list[int]:
+    """Cumulative bytes sent per device at each evaluation step of ``result``."""
+    per_step = bytes_per_step(result.name, phases, cfg, max(result.steps))
+    total = np.concatenate([[0], np.cumsum(per_step)])
+    return [int(total[s]) for s in result.steps]
+
+
+def record(result, split: tuple[int, int], phases: dict, cfg) -> dict:
+    """One run as JSON: the `RunResult` fields, ``val_bits_per_byte`` for its
+    ``accuracy``, the compressed / uncompressed split, the phases' bytes and
+    the cumulative bytes sent at each evaluation."""
+    run = dataclasses.asdict(result)
+    out = {"name": run.pop("name"), "steps": run.pop("steps"),
+           "val_bits_per_byte": run.pop("accuracy"),
+           "bytes_sent": bytes_sent(result, phases, cfg), "losses": run.pop("losses"),
+           "wire_bytes": run.pop("wire_bytes"), "wire_bytes_compressed": split[0],
+           "wire_bytes_uncompressed": split[1], "phase_bytes": phases}
+    return out | run
+
+
+def beyond_compute(results) -> dict[str, float] | None:
+    """Each run's median step time minus the ``local`` run's (the same step
+    with no all-reduce, `common.config.COMPUTE_ONLY`), in seconds: what the
+    all-reduce adds to a step. None when no ``local`` run was made.
+
+    Example:
+      >>> from common.train import RunResult
+      >>> runs = [RunResult("none", [], [], [], 0, 0, 0.5, 0.0),
+      ...         RunResult("local", [], [], [], 0, 0, 0.3, 0.0)]
+      >>> {k: round(v, 3) for k, v in beyond_compute(runs).items()}
+      {'none': 0.2, 'local': 0.0}
+    """
+    compute = next((r.step_seconds for r in results if r.name == COMPUTE_ONLY), None)
+    if compute is None:
+        return None
+    return {r.name: r.step_seconds - compute for r in results}
+
+
+def _smaller(base: float, other: float) -> str:
+    if base <= 0 or other <= 0:
+        return "(within noise)"
+    return f"{base / other:.1f}x smaller"
+
+
+def table(results, splits: dict, baseline_bytes: int | None, link_mbit: float = 0.0) -> str:
+    """`common.report.table` with validation bits per byte and the split columns;
+    with ``link_mbit``, each step's wire floor on that link; with a ``local``
+    run, each step's time beyond compute and its ratio to ``none``'s.
+
+    Example:
+      >>> from common.train import RunResult
+      >>> runs = [RunResult("none", [0], [8.0], [], 1_250_000, 1_250_000, 0.5, 9.0),
+      ...         RunResult("local", [0], [8.0], [], 0, 0, 0.3, 5.0)]
+      >>> print(table(runs, {"none": (0, 1_250_000), "local": (0, 0)}, 1_250_000, 100))
+      | compressor | val bits / byte | ... | wire floor (ms) | beyond compute (ms) | vs none | ...
+      |---|---|...
+      | none | 8.000 | 1,250,000 | 0 | 1,250,000 | 100.0 | 200.0 | 1.0x smaller | 1.0x | ...
+      | local | (no all-reduce) | 0 | 0 | 0 | 0.0 | 0.0 | - | - | - | 300.0 | 5 |
+    """
+    extra = [("compressed leaves", lambda r: f"{splits[r.name][0]:,}"),
+             ("uncompressed leaves", lambda r: f"{splits[r.name][1]:,}")]
+    if link_mbit:
+        extra.append(("wire floor (ms)",
+                      lambda r: f"{8e3 * r.wire_bytes / (link_mbit * 1e6):.1f}"))
+    beyond = beyond_compute(results)
+    if beyond is not None:
+        base = beyond.get(report.BASELINE)
+        extra.append(("beyond compute (ms)", lambda r: f"{1e3 * beyond[r.name]:.1f}"))
+        if base is not None:
+            extra.append(("vs none", lambda r: _smaller(base, beyond[r.name])
+                          if r.name != COMPUTE_ONLY else "-"))
+    return report.table(results, baseline_bytes,
+                        metric=("val bits / byte", lambda r: "(no all-reduce)"
+                                if r.name == COMPUTE_ONLY else f"{r.accuracy[-1]:.3f}"),
+                        extra=tuple(extra))
+
+
+def plot(results, phases: dict, cfg, path, title: str):
+    """Validation bits per byte against steps and against cumulative bytes sent."""
+    fig = Figure(figsize=(11, 4.5), dpi=100)  # no pyplot: leaves the caller's backend alone
+    by_step, by_bytes = fig.subplots(1, 2, sharey=True)
+    results = [r for r in results if r.name != COMPUTE_ONLY]  # replicas drifted apart
+    for r in results:
+        by_step.plot(r.steps, r.accuracy, marker=".", label=r.name)
+        sent = np.asarray(bytes_sent(r, phases[r.name], cfg), float)
+        seen = sent > 0  # the log axis: from the first step on
+        by_bytes.plot(sent[seen] / 2**20, np.asarray(r.accuracy)[seen], marker=".", label=r.name)
+    best = min(min(r.accuracy) for r in results)
+    by_step.set_ylim(best - 0.1, min(8.5, best + 3))
+    by_step.set_xlabel("step")
+    by_step.set_ylabel("validation bits / byte")
+    by_bytes.set_xscale("log")
+    by_bytes.set_xlabel("MiB sent per device (cumulative)")
+    for ax in (by_step, by_bytes):
+        ax.grid(alpha=0.3)
+    by_bytes.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def save(results, splits: dict, phases: dict, baseline_bytes, cfg, corpus: dict, out_dir,
+         stem: str, title: str) -> dict:
+    """Writes ``stem.md`` (table), ``stem.json`` (everything) and ``stem.png``.
+
+    ``splits`` and ``phases`` map each run's name to its
+    `common.wire_split.wire_split` and `common.wire_split.phase_bytes`.
+    """
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.md").write_text(table(results, splits, baseline_bytes, cfg.link_mbit) + "\n")
+    doc = {"config": dataclasses.asdict(cfg), "corpus": corpus,
+           "baseline_wire_bytes": baseline_bytes,
+           "runs": [record(r, splits[r.name], phases[r.name], cfg) for r in results]}
+    beyond = beyond_compute(results)
+    for run in doc["runs"] if beyond is not None else ():
+        run["step_seconds_beyond_compute"] = beyond[run["name"]]
+    (out / f"{stem}.json").write_text(json.dumps(doc, indent=1))
+    plot(results, phases, cfg, out / f"{stem}.png", title)
+    return {"table": out / f"{stem}.md", "json": out / f"{stem}.json", "plot": out / f"{stem}.png"}

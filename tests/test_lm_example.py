@@ -1,0 +1,211 @@
+"""The language-model example: its corpus, its model's leaves, and a few training steps."""
+
+import doctest
+import importlib
+import importlib.util
+import json
+import math
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+from common import compressors, text  # noqa: E402
+from lm.config import Config  # noqa: E402
+
+TINY = ["--width", "32", "--depth", "1", "--heads", "2", "--context", "16", "--batch-size", "2",
+        "--val-windows", "8", "--warmup-steps", "1", "--progress", "false"]
+
+
+def _main():
+    spec = importlib.util.spec_from_file_location("lm_main", ROOT / "examples" / "lm" / "main.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def _leaves(cfg):
+    import jax
+    from flax import nnx
+    from lm.model import build
+
+    return jax.tree.leaves(nnx.state(nnx.eval_shape(lambda: build(cfg))))
+
+
+@pytest.fixture(scope="module")
+def stdlib():
+    return text.load_stdlib()
+
+
+def _pmean_bytes(n: int, values: int) -> float:
+    """An XLA all-reduce of ``values`` float32 per device (`qcollect.wire_bytes`)."""
+    return 2 * (n - 1) / n * 4 * values
+
+
+def test_lm_trains_end_to_end_and_measures_its_wire_bytes(tmp_path, capsys):
+    """Three steps of ``none`` and ``qsgd-4`` on the 8 simulated devices: finite
+    losses, the JSON record, ``none``'s bytes those of an all-reduce of every
+    parameter, and ``qsgd-4``'s split measured in two parts that add up."""
+    import jax
+
+    results = _main()(["--compressors", "none,qsgd-4,local", "--steps", "3", "--eval-every", "2",
+                       "--output-dir", str(tmp_path), *TINY])
+    n = jax.device_count()
+    cfg = Config(width=32, depth=1, heads=2, context=16)
+    sizes = [leaf.size for leaf in _leaves(cfg)]
+    for r in results:
+        assert len(r.losses) == 3 and np.isfinite(r.losses).all(), r.name
+        assert r.steps == [0, 2, 3] and np.isfinite(r.accuracy).all()
+        assert 0 < r.accuracy[-1] < 8.5  # bits per byte: about 8 for uniform guesses
+    record = json.loads((tmp_path / "lm.json").read_text())
+    corpus = record["corpus"]
+    assert corpus["files"] == corpus["train_files"] + corpus["val_files"] > 100
+    assert corpus["train_bytes"] > 10 * corpus["val_bytes"] > 0 and len(corpus["sha256"]) == 64
+    none, qsgd, local = record["runs"]
+    for run in (none, qsgd, local):
+        assert set(run) >= {"name", "steps", "val_bits_per_byte", "losses", "wire_bytes",
+                            "step_seconds", "wire_bytes_compressed", "wire_bytes_uncompressed",
+                            "bytes_sent", "step_seconds_beyond_compute"}
+        assert len(run["val_bits_per_byte"]) == len(run["steps"]) == len(run["bytes_sent"])
+        assert run["bytes_sent"][-1] == 3 * run["wire_bytes"]
+    assert none["wire_bytes"] == pytest.approx(_pmean_bytes(n, sum(sizes)), abs=1)
+    assert (none["wire_bytes_compressed"], none["wire_bytes_uncompressed"]) == (
+        0, none["wire_bytes"])
+    assert qsgd["wire_bytes_compressed"] + qsgd["wire_bytes_uncompressed"] == qsgd["wire_bytes"]
+    small = sum(s for s in sizes if s < cfg.min_size)
+    assert qsgd["wire_bytes_uncompressed"] == pytest.approx(_pmean_bytes(n, small), abs=1)
+    assert qsgd["wire_bytes_compressed"] < _pmean_bytes(n, sum(sizes) - small) / 5
+    # local: the same step with no all-reduce, what "beyond compute" subtracts
+    assert local["wire_bytes"] == local["wire_bytes_compressed"] == 0
+    for run in (none, qsgd):
+        assert run["step_seconds_beyond_compute"] == pytest.approx(
+            run["step_seconds"] - local["step_seconds"])
+    out = capsys.readouterr().out
+    assert "| qsgd-4 |" in out and "uncompressed leaves" in out
+    assert "| local | (no all-reduce) | 0 |" in out and "beyond compute (ms)" in out
+    assert (tmp_path / "lm.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_every_large_leaf_is_a_matrix_that_each_compressor_takes():
+    """Default model, tied and untied: the leaves under ``min_size`` are vectors
+    (biases, LayerNorm), every other leaf a 2-D matrix that PowerSGD, GradiVeQ
+    (a slice of whole rows) and the quantizers all compress: over 99% of the values."""
+    for tie in (True, False):
+        cfg = Config(tie_embeddings=tie)
+        leaves = _leaves(cfg)
+        big = [leaf.size >= cfg.min_size for leaf in leaves]
+        assert big == [leaf.ndim == 2 for leaf in leaves]
+        for name in ("qsgd-4", "onebit", "powersgd", "gradiveq"):
+            assert compressors.compressed_leaves(name, cfg, leaves) == big, name
+        for leaf in leaves:
+            if leaf.ndim == 2:
+                k = compressors.gradiveq_slice_size(leaf.shape, min_slice=512)
+                assert k % leaf.shape[-1] == 0 and leaf.size % k == 0, leaf.shape
+        share = sum(leaf.size for leaf, b in zip(leaves, big, strict=True) if b)
+        assert share / sum(leaf.size for leaf in leaves) > 0.99
+    assert sum(leaf.size for leaf in _leaves(Config())) == 842_496  # the README's count
+
+
+def test_corpus_is_split_by_document_and_reproducible(stdlib):
+    corpus = stdlib
+    assert not set(corpus.train_files) & set(corpus.val_files)
+    files = text.source_files(corpus.root)
+    assert sorted(corpus.train_files + corpus.val_files) == files
+    assert list(corpus.val_files) == [f for f in files if text.is_validation(f)]
+    assert 0.03 < len(corpus.val_files) / len(files) < 0.12
+    assert all(text.is_portable(f) for f in files)
+    assert not any(f.startswith(("site-packages/", "test/")) or "/test_" in f for f in files)
+    root = pathlib.Path(corpus.root)
+    assert corpus.val.size == sum((root / f).stat().st_size + 1 for f in corpus.val_files)
+    assert corpus.train[-1] == 0 and corpus.val[-1] == 0  # one NUL after each document
+    assert text.load_stdlib().describe() == corpus.describe()
+
+
+def test_a_new_document_moves_no_other(tmp_path):
+    for i in range(40):
+        (tmp_path / f"m{i}.py").write_text(f"x = {i}\n")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "t.py").write_text("skipped\n")
+    before = text.load_stdlib(str(tmp_path), val_percent=30)
+    assert before.val_files and before.train_files and "tests/t.py" not in before.train_files
+    (tmp_path / "new.py").write_text("y = 1\n")
+    after = text.load_stdlib(str(tmp_path), val_percent=30)
+    assert set(before.val_files) <= set(after.val_files)
+    assert set(before.train_files) <= set(after.train_files)
+    assert after.describe()["files"] == 41 and after.sha256 != before.sha256
+
+
+def test_batches_depend_on_seed_and_step_only(stdlib):
+    task = text.NextBytes(stdlib, context=16, val_windows=64)
+    straight = list(task.batches(4, 5, seed=0))
+    resumed = list(task.batches(4, 5, seed=0, start=3))
+    for (x, y), (x2, y2) in zip(straight[3:], resumed, strict=True):
+        np.testing.assert_array_equal(x, x2)
+        np.testing.assert_array_equal(y, y2)
+    x, y = straight[0]
+    assert x.shape == y.shape == (4, 16) and x.dtype == np.int32
+    np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
+    assert not np.array_equal(x, next(task.batches(4, 1, seed=1))[0])
+    assert task.x_val.shape == (64, 16)
+    np.testing.assert_array_equal(task.x_val, text.NextBytes(task.corpus, 16, 64).x_val)
+
+
+def test_config_rejects_mnist_settings_and_bad_shapes(capsys):
+    with pytest.raises(ValueError, match="multiple of heads"):
+        Config(width=30, heads=4)
+    with pytest.raises(ValueError, match="MNIST setting"):
+        Config(train_examples=100)
+    assert Config().compressor_names == ("none", "qsgd-4", "onebit", "powersgd", "gradiveq")
+    # the compute-only run is asked for by name, never part of "all"
+    assert "local" in Config(compressors=("none", "local")).compressor_names
+    assert "local" not in Config(compressors=("all",)).compressor_names
+    with pytest.raises(ValueError, match="compressors must be names"):
+        Config(compressors=("loca",))
+
+
+@pytest.mark.parametrize("name", ["common.text", "common.task", "common.wire_split",
+                                  "common.compressors", "common.train", "lm.model", "lm.report",
+                                  "lm.main"])
+def test_docstring_examples(name):
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0
+
+
+@pytest.mark.slow  # the example end to end, three times
+def test_lm_resume_is_bit_identical(tmp_path):
+    """Four steps straight, or two, a checkpoint, and two more after --resume:
+    the same losses and validation bits per byte (AdamW's schedule and
+    clipping state, onebit's residuals all restored)."""
+    main = _main()
+    args = ["--compressors", "onebit", "--eval-every", "2", "--checkpoint-every", "2",
+            "--output-dir", str(tmp_path), *TINY]
+    straight = main(args + ["--steps", "4", "--checkpoint-dir", str(tmp_path / "a")])[0]
+    main(args + ["--steps", "2", "--checkpoint-dir", str(tmp_path / "b")])
+    resumed = main(args + ["--steps", "4", "--checkpoint-dir", str(tmp_path / "b"),
+                           "--resume", "true"])[0]
+    assert resumed.losses == straight.losses[2:]
+    assert resumed.accuracy == straight.accuracy[1:]
+    assert math.isfinite(resumed.accuracy[-1])
+
+
+@pytest.mark.slow  # two phased runs: their extra compiles
+def test_phased_all_reduces_count_each_phase(tmp_path):
+    """PowerSGD's uncompressed first step, GradiVeQ's QSGD and PCA steps: each
+    phase's measured bytes, summed on the schedule into ``bytes_sent``."""
+    _main()(["--compressors", "powersgd,gradiveq", "--steps", "4", "--eval-every", "4",
+             "--powersgd-start", "1", "--gradiveq-warmup", "1", "--gradiveq-sample-steps", "1",
+             "--gradiveq-compressed-steps", "1", "--gradiveq-rank", "4",
+             "--output-dir", str(tmp_path), *TINY])
+    powersgd, gradiveq = json.loads((tmp_path / "lm.json").read_text())["runs"]
+    for run in (powersgd, gradiveq):
+        assert run["wire_bytes_compressed"] + run["wire_bytes_uncompressed"] == run["wire_bytes"]
+        assert sorted(run["phase_bytes"].values()) == [run["wire_bytes"], run["wire_bytes_max"]]
+    phases = powersgd["phase_bytes"]
+    assert powersgd["bytes_sent"] == [0, phases["uncompressed"] + 3 * phases["compressed"]]
+    phases = gradiveq["phase_bytes"]  # steps: warm-up, sampling, PCA, sampling
+    assert gradiveq["bytes_sent"] == [0, 3 * phases["qsgd"] + phases["pca"]]
