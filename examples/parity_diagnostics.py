@@ -38,7 +38,8 @@ import optax  # noqa: E402
 from common import entropy_plan  # noqa: E402
 from common.compressors import communication  # noqa: E402
 from common.mnist import load_mnist  # noqa: E402
-from common.train import AXIS, DataParallel, batches, make_optimizer  # noqa: E402
+from common.task import batches  # noqa: E402
+from common.train import AXIS, DataParallel, make_optimizer  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from mnist_mlp import config as mlp_config  # noqa: E402

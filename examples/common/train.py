@@ -47,7 +47,7 @@ from common import entropy_plan
 from common.checkpoints import Checkpoints, step_of
 from common.compressors import Communication, communication
 from common.devices import local_values
-from common.task import as_task, batches  # noqa: F401  (batches: kept importable from here)
+from common.task import as_task
 
 AXIS = "data"
 
