@@ -21,6 +21,7 @@ from qcollect._compressed import ALGORITHMS, AllReduceResult, compressed_all_red
 from qcollect._entropy import EntropyCompressor, EntropyPlan, entropy
 from qcollect._groups import matrix_view
 from qcollect._layout import BUCKET_BYTES, leaf_chunks
+from qcollect._messages import fused_psum
 from qcollect._onebit import onebit
 from qcollect._packing import pack_bits, packed_words, unpack_bits
 from qcollect._payload import Compressor, Payload, payload_bytes
@@ -67,6 +68,7 @@ __all__ = [
     "cast",
     "compressed_all_reduce",
     "entropy",
+    "fused_psum",
     "identity",
     "leaf_chunks",
     "matrix_view",

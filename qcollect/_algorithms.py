@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from qcollect._layout import Segment
+from qcollect._messages import send_packed
 from qcollect._payload import Compressor
 from qcollect._ring import (
     all_gather_invariant,
@@ -140,8 +141,12 @@ def _chunk_keys(key, n: int):
 
 
 def _gather(axis_name, payload):
-    """Every owner's reduced payload on every device, invariant along the axis."""
-    return jax.tree.map(lambda leaf: all_gather_invariant(leaf[None], axis_name), payload)
+    """Every owner's reduced payload on every device, invariant along the axis:
+    one all-gather of the payload's arrays packed together (`send_packed`)."""
+    leaves, treedef = jax.tree.flatten(payload)
+    gathered = send_packed(lambda leaf: all_gather_invariant(leaf, axis_name),
+                           [leaf[None] for leaf in leaves], lead=1)
+    return jax.tree.unflatten(treedef, gathered)
 
 
 def _ring_compressed(chunks, axis_name, codec, key, n, me):

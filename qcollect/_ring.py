@@ -29,6 +29,7 @@ from jax import lax
 
 from qcollect._buckets import UNROLL_BUCKETS, check_unroll, reduce_buckets
 from qcollect._layout import BUCKET_BYTES, plan_segments
+from qcollect._messages import send_packed
 from qcollect._vma import cast_varying
 
 __all__ = [
@@ -79,12 +80,14 @@ def _ppermute(leaf, axis_name, perm, pieces: bool):
 
 
 def permute(x, axis_name, perm):
-    """`lax.ppermute` of a pytree that moves 16-bit floats as 16-bit words.
+    """`lax.ppermute` of a pytree as one message, 16-bit floats as 16-bit words.
 
-    XLA:CPU widens bfloat16/float16 collective-permutes to float32, which
-    would double their wire bytes; a bit-identical uint16 view travels as is.
-    Across processes on the CPU backend, a permutation in which two devices
-    send to each other moves leaves over 256 KiB in 256 KiB pieces (see
+    The leaves travel as one buffer of words (`qcollect._messages.pack`):
+    one exchange per permutation, not one per leaf. XLA:CPU widens
+    bfloat16/float16 collective-permutes to float32, which would double
+    their wire bytes; a bit-identical uint16 view travels as is. Across
+    processes on the CPU backend, a permutation in which two devices send
+    to each other moves buffers over 256 KiB in 256 KiB pieces (see
     `_split_swaps`); the bytes on the wire are the same.
     """
     pieces = _split_swaps(perm)
@@ -96,7 +99,8 @@ def permute(x, axis_name, perm):
         moved = _ppermute(lax.bitcast_convert_type(leaf, word), axis_name, perm, pieces)
         return lax.bitcast_convert_type(moved, leaf.dtype)
 
-    return jax.tree.map(send, x)
+    leaves, treedef = jax.tree.flatten(x)
+    return jax.tree.unflatten(treedef, send_packed(send, leaves))
 
 
 def shift_right(x, axis_name, n: int):

@@ -96,6 +96,27 @@ def test_swap_probe_times_one_swap_and_its_pieces(tmp_path):
     assert cells[4] == "1 / 8"
 
 
+def test_message_probe_shows_what_each_array_of_a_collective_costs(tmp_path):
+    """Across processes on the CPU backend each array of an all-reduce is an
+    exchange of its own: the reason qcollect sends one buffer per collective
+    (`qcollect._messages`). If a backend stops charging per array, the
+    timing assertion fails and the packing can go."""
+    out = tmp_path / "messages"
+    run = _bench("--nproc", "2", "--bandwidth", "none", "--message-probe", "--sizes", "0.0625",
+                 "--repeats", "3", "--out", str(out))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    header, rule, *rows = out.with_suffix(".md").read_text().splitlines()
+    assert "one per array ms" in header and "one buffer ms" in header
+    cells = {r.split("|")[2].strip(): [c.strip() for c in r.strip("|").split("|")] for r in rows}
+    assert set(cells) == {"1 (psum)", "8 (psum)", "34 (psum)", "128 (psum)",
+                          "one-bit payload (ppermute)"}
+    for k in (1, 8, 34, 128):
+        assert cells[f"{k} (psum)"][4] == f"{k} / 1"  # arrays in the compiled collectives
+    assert cells["one-bit payload (ppermute)"][4] == "1+1+1 / 1"
+    apart, packed = (float(c) for c in cells["128 (psum)"][2:4])
+    assert apart > 4 * packed, (apart, packed)
+
+
 @pytest.mark.slow  # a probe mode: two more launched processes
 def test_node_probe_times_the_collectives_inside_a_node(tmp_path):
     out = tmp_path / "node"

@@ -167,8 +167,44 @@ def test_config_rejects_mnist_settings_and_bad_shapes(capsys):
         Config(compressors=("loca",))
 
 
+def test_one_bit_adam_recipe_warms_up_uncompressed_then_freezes_the_variance(tmp_path):
+    """``--compress-after 2 --freeze-variance true``: two uncompressed steps
+    (the bytes of ``none``), then one-bit; AdamW's second moment stops."""
+    import jax.numpy as jnp
+    import optax
+    from common import frozen_adam
+
+    args = ["--steps", "4", "--eval-every", "4", "--output-dir", str(tmp_path), *TINY]
+    none, onebit = _main()(["--compressors", "none,onebit", "--compress-after", "2",
+                            "--freeze-variance", "true", *args])
+    assert np.isfinite(onebit.losses).all() and onebit.wire_bytes < none.wire_bytes / 5
+    assert onebit.wire_bytes_max == none.wire_bytes
+    run = json.loads((tmp_path / "lm.json").read_text())["runs"][1]
+    assert run["phase_bytes"] == {"uncompressed": none.wire_bytes,
+                                  "compressed": onebit.wire_bytes}
+    assert run["bytes_sent"][-1] == 2 * none.wire_bytes + 2 * onebit.wire_bytes
+    # before the freeze the optimizer is optax's Adam; after, nu no longer moves
+    adam, frozen = optax.scale_by_adam(), frozen_adam.scale_by_frozen_adam(3)
+    params = {"w": jnp.zeros(5)}
+    a, f = adam.init(params), frozen.init(params)
+    for i, g in enumerate([0.5, -1.0, 2.0, 40.0]):
+        grads = {"w": jnp.linspace(-1, 1, 5) * g}
+        ua, a = adam.update(grads, a)
+        uf, f = frozen.update(grads, f)
+        if i < 3:
+            np.testing.assert_allclose(uf["w"], ua["w"], rtol=1e-6)
+            nu = f.nu["w"]
+    np.testing.assert_array_equal(f.nu["w"], nu)
+    for bad in (dict(compress_after=0), dict(optimizer="adagrad")):
+        with pytest.raises(ValueError, match="freeze_variance"):
+            Config(freeze_variance=True, **{"compress_after": 5, **bad})
+    with pytest.raises(ValueError, match="compress_after does not apply to gradiveq"):
+        compressors.communication("gradiveq", Config(compress_after=3), "d", None)
+
+
 @pytest.mark.parametrize("name", ["common.text", "common.task", "common.wire_split",
-                                  "common.compressors", "common.train", "lm.model", "lm.report",
+                                  "common.compressors", "common.train", "common.frozen_adam",
+                                  "lm.model", "lm.report",
                                   "lm.main"])
 def test_docstring_examples(name):
     module = importlib.import_module(name)

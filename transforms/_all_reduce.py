@@ -10,7 +10,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 import qcollect as qc
 from transforms._policy import CompressorSpec, leaf_compressors
@@ -67,7 +66,7 @@ def compressed_all_reduce(axis_name, *, compressor: CompressorSpec, key: jax.Arr
     compressed leaves are summed by `qcollect.compressed_all_reduce` (leaves
     with equal compressors ride together in segments of up to 4 MiB per
     dtype, each leaf keeping its own buckets, columns or ranges), the others
-    by ``lax.psum``; ``residual = input - contributed``, where
+    by ``qc.fused_psum``; ``residual = input - contributed``, where
     ``contributed`` is what this device's own encodings decode to (Seide;
     Grubic et al. Algorithm 2). With ``algorithm="pairwise"`` the owner's
     re-encoding error is kept too and added before the next re-encoding
@@ -187,10 +186,12 @@ def compressed_all_reduce(axis_name, *, compressor: CompressorSpec, key: jax.Arr
         new_owner = list(owners)
         groups: dict[qc.Compressor, list[int]] = {}
         for i, c in enumerate(comps):
-            if c is None:
-                out[i] = (lax.pmean if mean else lax.psum)(inputs[i], axis_name)
-            else:
+            if c is not None:
                 groups.setdefault(c, []).append(i)
+        plain = [i for i, c in enumerate(comps) if c is None]
+        for i, v in zip(plain, qc.fused_psum([inputs[i] for i in plain], axis_name, mean=mean),
+                        strict=True):
+            out[i] = v
         for g, (c, members) in enumerate(groups.items()):
             xs = [inputs[i].astype(jnp.float32) for i in members]
             owner_in = [owners[i] for i in members] if pairwise and error_feedback else None

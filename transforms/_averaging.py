@@ -130,8 +130,8 @@ def compressed_model_averaging(axis_name, *, every_k: int, key: jax.Array,
         None`` per leaf (None: uncompressed). Default ``qc.entropy()``:
         ``F = 0.03``, ``M = 4``, ``c = 6``, ceiling 10 (the paper's sections
         4, 5.1-5.2).
-      min_size: leaves with fewer values are averaged with ``lax.pmean``; an
-        integer >= 0.
+      min_size: leaves with fewer values are averaged uncompressed
+        (``qc.fused_psum``); an integer >= 0.
 
     Returns:
       An ``optax.GradientTransformation``; ``update(updates, state, params)``
@@ -193,10 +193,12 @@ def compressed_model_averaging(axis_name, *, every_k: int, key: jax.Array,
             avg = [None] * len(new)
             groups: dict[qc.Compressor, list[int]] = {}
             for i, c in enumerate(comps):
-                if c is None:
-                    avg[i] = lax.pmean(new[i], axis_name)
-                else:
+                if c is not None:
                     groups.setdefault(c, []).append(i)
+            plain = [i for i, c in enumerate(comps) if c is None]
+            for i, v in zip(plain, qc.fused_psum([new[i] for i in plain], axis_name, mean=True),
+                            strict=True):
+                avg[i] = v
             for g, (c, members) in enumerate(groups.items()):
                 result = qc.compressed_all_reduce(
                     [new[i] for i in members], axis_name, c, jax.random.fold_in(step_key, g),

@@ -98,7 +98,7 @@ def _sample_rows(flat, leaf: _Leaf):
 def _aggregate_sampled(xs, axis_name, compressor, key, algorithm, unroll=qc.UNROLL_BUCKETS):
     """Sum over devices through the sample compressor (or exactly): (sums, contributed)."""
     if compressor is None:
-        sums = [lax.psum(x, axis_name) for x in xs]
+        sums = qc.fused_psum(list(xs), axis_name)
         return sums, list(xs), jnp.zeros((), jnp.int32)
     result = qc.compressed_all_reduce(xs, axis_name, compressor, key, algorithm=algorithm,
                                       unroll_buckets=unroll)
@@ -221,7 +221,7 @@ def gradiveq(axis_name, *, key: jax.Array, slice_size: int | Callable,
     eq. (7). Leaves with fewer than ``max(min_size, K)`` values, or failing
     ``compress_if`` (default: at least 2 dimensions, i.e. conv and dense
     kernels; section 2, footnote 3 keeps biases out), are averaged exactly
-    (``lax.pmean``) every step. The update is the mean (or sum) over devices.
+    (``qc.fused_psum``) every step. The update is the mean (or sum) over devices.
 
     The ring cuts each leaf into ``N`` chunks of whole slices
     (`qcollect.compressed_all_reduce` never splits a slice or lets one span
@@ -433,9 +433,10 @@ def gradiveq(axis_name, *, key: jax.Array, slice_size: int | Callable,
         step_key = jax.random.fold_in(state.key, count)
 
         out = [None] * len(leaves)
-        for i, p in enumerate(plans):
-            if p is None:
-                out[i] = lax.pmean(leaves[i], axis_name) if mean else lax.psum(leaves[i], axis_name)
+        plain = [i for i, p in enumerate(plans) if p is None]
+        for i, v in zip(plain, qc.fused_psum([leaves[i] for i in plain], axis_name, mean=mean),
+                        strict=True):
+            out[i] = v
         xs = [leaves[i].astype(jnp.float32) + (flat["residual"][i] if error_feedback else 0.0)
               for i in idx]
 

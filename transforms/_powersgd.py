@@ -1,7 +1,7 @@
 """`powersgd`: an optax transformation with the semantics of PyTorch's
 ``powerSGD_hook`` (Vogels et al., PowerSGD, Algorithm 1).
 
-For ``start_iter`` steps every leaf is averaged uncompressed (``lax.pmean``),
+For ``start_iter`` steps every leaf is averaged uncompressed (``qc.fused_psum``),
 as the hook's warm-up with ``start_powerSGD_iter``. After that, every leaf
 that is a matrix (two or more dimensions) and where a rank-``r`` factorization
 pays (`qcollect.powersgd_should_compress`) is compressed by one power
@@ -111,8 +111,8 @@ def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = 1_000,
              matrix_view: str = "last") -> optax.GradientTransformation:
     """PowerSGD all-reduce of the gradients, as PyTorch's ``powerSGD_hook``.
 
-    Steps ``0 .. start_iter - 1``: every leaf is ``lax.pmean``-ed (or
-    ``psum``-ed), nothing else happens. From step ``start_iter`` on, per
+    Steps ``0 .. start_iter - 1``: every leaf is averaged (or summed)
+    uncompressed (``qc.fused_psum``), nothing else happens. From step ``start_iter`` on, per
     leaf:
 
     * leaves with ``ndim <= 1``, or whose ``(n, m)`` matrix view
@@ -246,12 +246,12 @@ def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = 1_000,
                                  f"shape {shape}: the update's leaf has another shape than the "
                                  f"one init saw")
 
-    def reduce(x):
-        return lax.pmean(x, axis_name) if mean else lax.psum(x, axis_name)
+    def reduce(xs):
+        return qc.fused_psum(list(xs), axis_name, mean=mean)
 
     def plain(leaves, residuals, qs, count, state_key):
         del count, state_key
-        return [reduce(g) for g in leaves], residuals, qs
+        return reduce(leaves), residuals, qs
 
     def power(leaves, residuals, qs, count, state_key):
         n_dev = lax.axis_size(axis_name)
@@ -266,9 +266,11 @@ def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = 1_000,
         # no leaf is copied into a stack.
         classes: dict[tuple[int, int], list[int]] = {}
         mats = {}
+        plain_idx = [i for i, g in enumerate(leaves) if not compressed(g)]
+        for i, v in zip(plain_idx, reduce([leaves[i] for i in plain_idx]), strict=True):
+            out[i] = v
         for i, g in enumerate(leaves):
             if not compressed(g):
-                out[i] = reduce(g)
                 continue
             mat = jnp.asarray(g, jnp.float32)
             if error_feedback:

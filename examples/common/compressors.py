@@ -8,7 +8,7 @@ about it (whether it switches phases, whether it needs entropy plans).
 =============  ==============================================================
 name           all-reduce
 =============  ==============================================================
-none           ``lax.pmean`` (XLA's all-reduce): the baseline
+none           ``qc.fused_psum(mean=True)``: ``lax.pmean`` in 4 MiB buckets
 bf16           `transforms.compressed_all_reduce` with ``qc.cast("bfloat16")``
 onebit         ... ``qc.onebit()`` (Seide, 64-value buckets, Grubic's 1bitSGD*)
 onebit-column  ... ``qc.onebit(grouping="column")`` (Seide/CNTK, means per column)
@@ -34,6 +34,7 @@ import math
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
@@ -63,11 +64,13 @@ class Communication(NamedTuple):
 
 
 def pmean(axis_name) -> optax.GradientTransformation:
-    """The uncompressed baseline: ``lax.pmean`` of every gradient leaf."""
+    """The uncompressed baseline: the mean of every gradient leaf, in buckets
+    of 4 MiB (`qc.fused_psum`, as PyTorch DDP buckets gradients): the values
+    and bytes of ``lax.pmean``, one exchange per bucket instead of one per leaf."""
 
     def update(grads, state, params=None):
         del params
-        return jax.tree.map(lambda g: lax.pmean(g, axis_name), grads), state
+        return qc.fused_psum(grads, axis_name, mean=True), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
@@ -100,12 +103,50 @@ def _compressed(compressor, cfg, axis_name, key, **kwargs) -> optax.GradientTran
                                             min_size=cfg.min_size, **kwargs)
 
 
+def uncompressed_first(steps: int, tx: optax.GradientTransformation,
+                       axis_name) -> optax.GradientTransformation:
+    """The uncompressed mean (`pmean`) for the first ``steps`` updates, then
+    ``tx``, whose state starts at its first update then: 1-bit Adam's
+    warm-up (Tang et al. 2021, section 3; `common.frozen_adam`).
+
+    The phase is a ``lax.cond`` on a step count that is the same on every
+    device, so both phases are compiled once.
+    """
+    plain = pmean(axis_name)
+
+    def init(params):
+        return jnp.zeros((), jnp.int32), tx.init(params)
+
+    def update(grads, state, params=None):
+        count, inner = state
+        mean, inner = lax.cond(count < steps,
+                               lambda: (plain.update(grads, optax.EmptyState())[0], inner),
+                               lambda: tx.update(grads, inner, params))
+        return mean, (optax.safe_int32_increment(count), inner)
+
+    return optax.GradientTransformation(init, update)
+
+
 def communication(name: str, cfg, axis_name, key) -> Communication:
-    """The `Communication` for compressor ``name`` with the settings of ``cfg``.
+    """The `Communication` for compressor ``name`` with the settings of ``cfg``:
+    with ``cfg.compress_after`` > 0, every compressor's all-reduce is the
+    uncompressed mean for that many steps first (`uncompressed_first`).
 
     ``entropy`` returns a transformation for the worst-case payload size; the
     training loop replaces it with planned ones (`entropy_transform`).
     """
+    comm = _communication(name, cfg, axis_name, key)
+    if cfg.compress_after == 0 or name in ("none", COMPUTE_ONLY):
+        return comm
+    if comm.entropy is not None or name == "gradiveq":
+        raise ValueError(f"compress_after does not apply to {name}: the entropy compressor's "
+                         "plans are made from the compressed steps, and GradiVeQ has its own "
+                         "warm-up (gradiveq_warmup)")
+    return comm._replace(tx=uncompressed_first(cfg.compress_after, comm.tx,
+                                                           axis_name), phased=True)
+
+
+def _communication(name: str, cfg, axis_name, key) -> Communication:
     if name == "none":
         return Communication(pmean(axis_name))
     if name == COMPUTE_ONLY:

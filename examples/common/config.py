@@ -52,6 +52,11 @@ class TrainConfig:
       entropy_block: values per independently decodable Huffman block (more,
         smaller blocks decode faster and send 32 / block bits per value more).
       powersgd_rank / powersgd_start: PowerSGD rank and uncompressed steps.
+      compress_after: every compressor's all-reduce is the uncompressed mean
+        for this many steps first (1-bit Adam's warm-up; 0: compress from the
+        start); PowerSGD's and GradiVeQ's own warm-ups follow it.
+      freeze_variance: Adam's second moment stops updating at
+        ``compress_after`` (1-bit Adam, `common.frozen_adam`).
       gradiveq_*: GradiVeQ's static rank cap r, the compression K / r that
         sets each kernel's slice size K, the loss threshold lambda of eq. (6),
         warm-up steps, L_t and L_c, slices sampled per leaf and sampling step
@@ -89,6 +94,8 @@ class TrainConfig:
     entropy_block: int = 1024
     powersgd_rank: int = 4
     powersgd_start: int = 10
+    compress_after: int = 0
+    freeze_variance: bool = False
     gradiveq_rank: int = 64
     gradiveq_compression: int = 8
     gradiveq_loss: float = 0.01
@@ -121,7 +128,7 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         for name in ("steps", "eval_every", "train_examples", "test_examples", "min_size",
                      "powersgd_start", "gradiveq_warmup", "adaptive_sample",
-                     "checkpoint_every", "nodes"):
+                     "checkpoint_every", "nodes", "compress_after"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("learning_rate", "epochs", "threshold_tau"):
@@ -129,6 +136,11 @@ class TrainConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if tuple(self.mesh) not in (("data",), ("node", "local")):
             raise ValueError(f"mesh must be 'data' or 'node,local', got {','.join(self.mesh)!r}")
+        if self.freeze_variance and (self.compress_after < 1
+                                     or self.optimizer not in ("adam", "adamw")):
+            raise ValueError(f"freeze_variance freezes Adam's second moment at compress_after: "
+                             f"it needs optimizer adam or adamw and compress_after >= 1, got "
+                             f"{self.optimizer!r} and {self.compress_after}")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume needs checkpoint_dir")
         if not 0 <= self.gradiveq_loss < 1:

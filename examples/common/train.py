@@ -47,6 +47,7 @@ from common import entropy_plan
 from common.checkpoints import Checkpoints, step_of
 from common.compressors import Communication, communication
 from common.devices import local_values
+from common.frozen_adam import frozen_adamw
 from common.task import as_task
 
 AXIS = "data"
@@ -109,6 +110,10 @@ def make_optimizer(cfg, learning_rate: float | optax.Schedule | None = None, *,
       ...     1e-3, 100), weight_decay=0.1)
     """
     lr = cfg.learning_rate if learning_rate is None else learning_rate
+    if cfg.freeze_variance:
+        return frozen_adamw(lr, cfg.compress_after,
+                            weight_decay=weight_decay if cfg.optimizer == "adamw" else 0.0,
+                            mask=_matrices)
     return {"adagrad": lambda: optax.adagrad(lr), "sgd": lambda: optax.sgd(lr),
             "momentum": lambda: optax.sgd(lr, momentum=0.9),
             "adam": lambda: optax.adam(lr),

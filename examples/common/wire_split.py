@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 import qcollect as qc
 import transforms
 from common.compressors import communication, compressed_leaves, gradiveq_transform
+from common.config import COMPUTE_ONLY
 
 
 def part(tree, keep: list[bool]):
@@ -95,7 +96,8 @@ def phase_bytes(dp, name: str, cfg, result) -> dict[str, int]:
     """Measured bytes per step and device of each phase of ``name``'s all-reduce.
 
     ``{"steady": ...}`` for an all-reduce of one phase. PowerSGD with
-    ``cfg.powersgd_start > 0``: ``{"uncompressed": ..., "compressed": ...}``,
+    ``cfg.powersgd_start > 0``, and any compressor with ``cfg.compress_after >
+    0``: ``{"uncompressed": ..., "compressed": ...}``,
     the costliest and the cheapest branch (its uncompressed phase averages
     every leaf; it compresses a leaf only when that at least halves it).
     GradiVeQ: ``{"qsgd": ..., "pca": ...}``, its warm-up and sampling steps
@@ -111,7 +113,8 @@ def phase_bytes(dp, name: str, cfg, result) -> dict[str, int]:
         phase, ``wire_bytes_max``: the costliest).
     """
     low, high = result.wire_bytes, result.wire_bytes_max
-    if name == "powersgd" and cfg.powersgd_start > 0:
+    if (name == "powersgd" and cfg.powersgd_start > 0
+            or cfg.compress_after > 0 and name not in ("none", COMPUTE_ONLY)):
         return {"uncompressed": high, "compressed": low}
     if name != "gradiveq":
         return {"steady": low}

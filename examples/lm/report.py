@@ -35,8 +35,9 @@ def bytes_per_step(name: str, phases: dict, cfg, steps: int) -> np.ndarray:
     step = np.arange(steps)
     if "steady" in phases:
         return np.full(steps, phases["steady"], np.int64)
-    if name == "powersgd":
-        return np.where(step < cfg.powersgd_start, phases["uncompressed"],
+    if "uncompressed" in phases:
+        first = cfg.compress_after + (cfg.powersgd_start if name == "powersgd" else 0)
+        return np.where(step < first, phases["uncompressed"],
                         phases["compressed"]).astype(np.int64)
     since = step - cfg.gradiveq_warmup
     cycle = cfg.gradiveq_sample_steps + cfg.gradiveq_compressed_steps

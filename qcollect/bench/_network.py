@@ -301,6 +301,60 @@ def swap_probe(sizes_mib: list[float], repeats: int) -> str | None:
     return "\n".join(lines) if jax.process_index() == 0 else None
 
 
+def _arrays_per_collective(fn, x) -> str:
+    """The operands of each collective in ``fn``'s compiled program, e.g. ``"34"``
+    for one tuple all-reduce of 34 arrays, ``"1+1+1"`` for three single ones."""
+    text = fn.lower(x).compile().as_text()
+    counts = []
+    for line in text.splitlines():
+        for op in ("all-reduce", "collective-permute"):
+            if f" {op}(" in line:
+                call = line.split(f" {op}(", 1)[1].split(")", 1)[0]
+                counts.append(str(call.count("%")))
+    return "+".join(counts)
+
+
+def message_probe(sizes_mib: list[float], repeats: int, leaves=(1, 8, 34, 128)) -> str | None:
+    """Times what a step pays per message, not per byte.
+
+    For each total size, the buffer cut into ``leaves`` equal arrays and
+    summed by one ``lax.psum`` of the list (XLA's tuple all-reduce) against
+    `qcollect.fused_psum` (one buffer); and a one-bit payload (sign words and
+    two means per bucket: three arrays) sent one step around the ring by a
+    ``lax.ppermute`` per array against qcollect's `permute` (one buffer).
+    Returns the markdown table on process 0, None elsewhere.
+    """
+    from qcollect._ring import permute
+
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), ("d",))
+    perm = [(i, (i + 1) % n) for i in range(n)]
+    onebit = qc.onebit()
+    lines = ["| MiB / process | arrays | one per array ms | one buffer ms | arrays per collective "
+             "(per array / one buffer) |", "|---:|---|---:|---:|---|"]
+    for mib in sizes_mib:
+        for k in leaves:
+            x = _buffers(_values(mib, k), mesh)
+            fns = {"apart": lambda v, k=k: jnp.concatenate(lax.psum(jnp.split(v, k), "d")),
+                   "packed": lambda v, k=k: jnp.concatenate(qc.fused_psum(jnp.split(v, k), "d"))}
+            lines.append(_probe_row(fns, x, mesh, repeats, f"{mib:g} | {k} (psum)"))
+        x = _buffers(_values(mib), mesh)
+        fns = {"apart": lambda v: onebit.decode(jax.tree.map(
+                   lambda a: lax.ppermute(a, "d", perm), onebit.encode(v))),
+               "packed": lambda v: onebit.decode(permute(onebit.encode(v), "d", perm))}
+        lines.append(_probe_row(fns, x, mesh, repeats, f"{mib:g} | one-bit payload (ppermute)"))
+        if jax.process_index() == 0:
+            print("\n".join(lines), flush=True)
+    return "\n".join(lines) if jax.process_index() == 0 else None
+
+
+def _probe_row(fns, x, mesh, repeats: int, label: str) -> str:
+    calls = {k: (_mapped(f, mesh), (x,)) for k, f in fns.items()}
+    t = interleaved_medians(calls, repeats)
+    arrays = " / ".join(_arrays_per_collective(calls[k][0], x) for k in ("apart", "packed"))
+    return f"| {label} | {1e3 * t['apart']:.1f} | {1e3 * t['packed']:.1f} | {arrays} |"
+
+
 def node_probe(sizes_mib: list[float], repeats: int) -> str | None:
     """Times the collectives inside a node (over ``"local"`` of the `NODE_AXES`
     grid, one node per process) that a hierarchical all-reduce can use.

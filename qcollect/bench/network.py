@@ -60,6 +60,12 @@ process and then only measures::
 collectives inside a node that the hierarchical all-reduce can use
 (`qcollect.bench._network.node_probe`).
 
+``--message-probe`` times, instead, what a collective costs per array it
+carries: a buffer cut into 1 to 128 arrays summed by one ``lax.psum`` of the
+list against `qcollect.fused_psum`, and a one-bit payload sent by one
+``ppermute`` per array against qcollect's `permute`, which packs them
+(`qcollect.bench._network.message_probe`, `qcollect._messages`).
+
 ``--swap-probe`` times, instead, a swap of the buffer between devices r and
 r + N/2 in one collective-permute and in the pieces `qcollect._ring.permute`
 sends across processes on the CPU backend (Gloo moves one large swap at about
@@ -119,6 +125,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--swap-probe", action="store_true",
                    help="instead: time a swap between device r and r + N/2 in one "
                         "collective-permute and in qcollect's pieces (writes OUT.md)")
+    p.add_argument("--message-probe", action="store_true",
+                   help="instead: time arrays summed or sent one collective each against "
+                        "one buffer (qc.fused_psum, qcollect's permute) (writes OUT.md)")
     p.add_argument("--node-probe", action="store_true",
                    help="instead: time the collectives inside a node (reduce-scatter as "
                         "XLA's psum_scatter and as a ppermute ring, psum, all-gather) with "
@@ -195,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         bandwidth = args.bandwidth or "1gbit"
         rc = subprocess.call(launch_command(argv + ["--bandwidth", bandwidth],
                                             args.nproc, bandwidth, args.devices_per_process))
-        if (rc or args.swap_probe or args.node_probe or args.no_floors
+        if (rc or args.swap_probe or args.node_probe or args.message_probe or args.no_floors
                 or bandwidth.lower() == "none"):
             return rc
         out = pathlib.Path(args.out)
@@ -210,8 +219,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from qcollect.bench import _network
 
-    if args.swap_probe or args.node_probe:
-        probe = _network.swap_probe if args.swap_probe else _network.node_probe
+    probes = {"swap": args.swap_probe, "node": args.node_probe, "message": args.message_probe}
+    if any(probes.values()):
+        probe = getattr(_network, next(k for k, v in probes.items() if v) + "_probe")
         text = probe(args.sizes, args.repeats)
         if text is not None:
             out = pathlib.Path(args.out).with_suffix(".md")
