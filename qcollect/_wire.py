@@ -55,7 +55,10 @@ class WireOp:
 
     ``devices``: the device groups it runs over, as partition ids (its
     replica groups; for a collective-permute, its source-target pairs); None
-    when the program does not list them (every device).
+    when the program does not list them (every device). ``arrays``: the
+    operands it carries (XLA combines all-reduces into one of several
+    operands; across processes on the CPU backend each is an exchange of its
+    own, `qcollect._messages`).
     """
 
     op: str
@@ -65,6 +68,7 @@ class WireOp:
     bytes_per_call: float
     multiplicity: int
     devices: tuple[tuple[int, ...], ...] | None = None
+    arrays: int = 1
 
 
 def _shape_bytes(shape: str) -> int:
@@ -227,7 +231,8 @@ def report_from_hlo(hlo: str, branches: str = "max") -> list[WireOp]:
             opname = rest.split("(", 1)[0].strip()
             base = opname.removesuffix("-start")
             if base in _COLLECTIVES and not opname.endswith("-done"):
-                operand = sum(_shape_bytes(shapes.get(o, "")) for o in _operands(rest))
+                names = _operands(rest)
+                operand = sum(_shape_bytes(shapes.get(o, "")) for o in names)
                 n = _group_size(line, default_group)
                 factor = {
                     "collective-permute": _permute_factor(line),
@@ -237,7 +242,7 @@ def report_from_hlo(hlo: str, branches: str = "max") -> list[WireOp]:
                     "all-to-all": (n - 1) / n,
                 }[base]
                 ops.append(WireOp(base, comp, operand, n, operand * factor, multiplicity,
-                                  _device_groups(line)))
+                                  _device_groups(line), len(names)))
             if opname == "while":
                 body = re.search(r"body=%([\w.\-]+)", line).group(1)
                 condition = re.search(r"condition=%([\w.\-]+)", line).group(1)

@@ -91,29 +91,28 @@ def test_fused_psum_equals_psum_exactly(mean, bucket_bytes, dtype):
                                       err_msg=str(path))
 
 
-def _hlo(fn, tree) -> str:
-    return jax.jit(fn.mapped).lower(*fn.shard(tree)).compile().as_text()
+def _report(fn, tree) -> list:
+    return qc.wire_report(fn.mapped, *fn.shard(tree))
 
 
-def _ops(text: str, op: str) -> list[str]:
-    return [line for line in text.splitlines() if f" {op}(" in line]
+def _ops(report, op: str) -> list:
+    return [o for o in report if o.op == op]
 
 
-def _operands(text: str, op: str = "all-reduce") -> int:
+def _operands(report, op: str = "all-reduce") -> int:
     """Arrays carried by all ``op`` collectives of a compiled program (XLA
     combines separate all-reduces into one of several operands: each operand
     is still an exchange of its own on the CPU backend)."""
-    return sum(line.split(f" {op}(", 1)[1].split(")", 1)[0].count("%")
-               for line in _ops(text, op))
+    return sum(o.arrays for o in _ops(report, op))
 
 
 def test_fused_psum_sends_one_buffer_per_bucket():
     tree = {k: v for k, v in _tree().items() if k != "count"}  # one dtype, 5 leaves
-    assert _operands(_hlo(per_device(lambda t: jax.lax.psum(t, "d"), N), tree)) >= 4
-    assert _operands(_hlo(per_device(lambda t: qc.fused_psum(t, "d"), N), tree)) == 1
+    assert _operands(_report(per_device(lambda t: jax.lax.psum(t, "d"), N), tree)) >= 4
+    assert _operands(_report(per_device(lambda t: qc.fused_psum(t, "d"), N), tree)) == 1
     # 256 x 16 floats are 16 KiB: a bucket of their own under an 8 KiB cap
     capped = per_device(lambda t: qc.fused_psum(t, "d", bucket_bytes=8192), N)
-    assert _operands(_hlo(capped, tree)) == 2
+    assert _operands(_report(capped, tree)) == 2
 
 
 @pytest.mark.parametrize("compressor, arrays", [(qc.onebit(), 3), (qc.qsgd(bits=4), 2)],
@@ -126,13 +125,13 @@ def test_a_hop_is_one_message_whatever_the_payload_holds(compressor, arrays):
     assert len(leaves) == arrays
     fn = per_device(lambda t: qc.compressed_all_reduce(
         t, "d", compressor, jax.random.key(2), algorithm="pairwise").value, N)
-    text = _hlo(fn, tree)
-    assert len(_ops(text, "collective-permute")) == N - 1
-    assert len(_ops(text, "all-gather")) == 1
+    report = _report(fn, tree)
+    assert len(_ops(report, "collective-permute")) == N - 1
+    assert len(_ops(report, "all-gather")) == 1
     # each leaf reduced alone sends as many messages, and (deterministic) the same values
     alone = per_device(lambda t: qc.compressed_all_reduce(
         t, "d", compressor, jax.random.key(2), algorithm="pairwise", fuse=False).value, N)
-    assert len(_ops(_hlo(alone, {"bias": tree["bias"]}), "collective-permute")) == N - 1
+    assert len(_ops(_report(alone, {"bias": tree["bias"]}), "collective-permute")) == N - 1
     for a, b in zip(jax.tree.leaves(fn(tree)), jax.tree.leaves(alone(tree)), strict=True):
         assert np.isfinite(np.asarray(a)).all() and a.shape == b.shape
         if not compressor.stochastic:  # fusion never changes a leaf's groups
@@ -149,6 +148,6 @@ def test_the_transform_averages_its_small_leaves_in_one_exchange():
         params = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), g)
         return tx.update(g, tx.init(params), params)[0]
 
-    text = _hlo(per_device(step, N), grads)
-    assert _operands(text) == 1  # bias, scale, empty and scalar in one buffer
-    assert len(_ops(text, "collective-permute")) == N - 1  # the embedding, one-bit
+    report = _report(per_device(step, N), grads)
+    assert _operands(report) == 1  # bias, scale, empty and scalar in one buffer
+    assert len(_ops(report, "collective-permute")) == N - 1  # the embedding, one-bit

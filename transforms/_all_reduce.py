@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import optax
 
 import qcollect as qc
-from transforms._policy import CompressorSpec, leaf_compressors
+from transforms._policy import CompressorSpec, leaf_compressors, sum_uncompressed
 from transforms._sharding import (
     all_finite,
     as_block,
@@ -181,17 +181,13 @@ def compressed_all_reduce(axis_name, *, compressor: CompressorSpec, key: jax.Arr
         inputs = [leaf if r is None else leaf.astype(jnp.float32) + r
                   for leaf, r in zip(leaves, residuals, strict=True)]
 
-        out = [None] * len(leaves)
+        out = sum_uncompressed(inputs, [c is not None for c in comps], axis_name, mean=mean)
         new_res = list(residuals)
         new_owner = list(owners)
         groups: dict[qc.Compressor, list[int]] = {}
         for i, c in enumerate(comps):
             if c is not None:
                 groups.setdefault(c, []).append(i)
-        plain = [i for i, c in enumerate(comps) if c is None]
-        for i, v in zip(plain, qc.fused_psum([inputs[i] for i in plain], axis_name, mean=mean),
-                        strict=True):
-            out[i] = v
         for g, (c, members) in enumerate(groups.items()):
             xs = [inputs[i].astype(jnp.float32) for i in members]
             owner_in = [owners[i] for i in members] if pairwise and error_feedback else None

@@ -12,7 +12,7 @@ import optax
 from jax import lax
 
 import qcollect as qc
-from transforms._policy import CompressorSpec, leaf_compressors
+from transforms._policy import CompressorSpec, leaf_compressors, sum_uncompressed
 from transforms._sharding import leaves_like, to_varying
 
 __all__ = ["ModelAveragingState", "compressed_model_averaging"]
@@ -190,15 +190,11 @@ def compressed_model_averaging(axis_name, *, every_k: int, key: jax.Array,
             ups, ws = operands
             new = [w.astype(jnp.float32) + u.astype(jnp.float32)
                    for u, w in zip(ups, ws, strict=True)]
-            avg = [None] * len(new)
+            avg = sum_uncompressed(new, [c is not None for c in comps], axis_name, mean=True)
             groups: dict[qc.Compressor, list[int]] = {}
             for i, c in enumerate(comps):
                 if c is not None:
                     groups.setdefault(c, []).append(i)
-            plain = [i for i, c in enumerate(comps) if c is None]
-            for i, v in zip(plain, qc.fused_psum([new[i] for i in plain], axis_name, mean=True),
-                            strict=True):
-                avg[i] = v
             for g, (c, members) in enumerate(groups.items()):
                 result = qc.compressed_all_reduce(
                     [new[i] for i in members], axis_name, c, jax.random.fold_in(step_key, g),

@@ -16,6 +16,7 @@ import optax
 from jax import lax
 
 import qcollect as qc
+from transforms._policy import sum_uncompressed
 from transforms._sharding import (
     all_finite,
     as_block,
@@ -432,11 +433,7 @@ def gradiveq(axis_name, *, key: jax.Array, slice_size: int | Callable,
         count = state.count
         step_key = jax.random.fold_in(state.key, count)
 
-        out = [None] * len(leaves)
-        plain = [i for i, p in enumerate(plans) if p is None]
-        for i, v in zip(plain, qc.fused_psum([leaves[i] for i in plain], axis_name, mean=mean),
-                        strict=True):
-            out[i] = v
+        out = sum_uncompressed(leaves, [p is not None for p in plans], axis_name, mean=mean)
         xs = [leaves[i].astype(jnp.float32) + (flat["residual"][i] if error_feedback else 0.0)
               for i in idx]
 

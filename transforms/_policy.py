@@ -45,3 +45,15 @@ def compressed_fraction(tree, compressors: list) -> float:
     total = sum(sizes)
     kept = sum(s for s, c in zip(sizes, compressors, strict=True) if c is not None)
     return kept / total if total else 0.0
+
+
+def sum_uncompressed(leaves: list, compressed: list[bool], axis_name, *, mean: bool) -> list:
+    """The leaves that go uncompressed, summed (or averaged) over ``axis_name``
+    in one exchange per 4 MiB bucket (`qcollect.fused_psum`); None in the
+    places of the compressed ones, for the caller to fill."""
+    plain = [i for i, c in enumerate(compressed) if not c]
+    out = [None] * len(leaves)
+    for i, v in zip(plain, qc.fused_psum([leaves[i] for i in plain], axis_name, mean=mean),
+                    strict=True):
+        out[i] = v
+    return out

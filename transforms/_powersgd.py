@@ -40,6 +40,7 @@ import optax
 from jax import lax
 
 import qcollect as qc
+from transforms._policy import sum_uncompressed
 from transforms._sharding import (
     all_finite,
     as_block,
@@ -256,7 +257,7 @@ def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = 1_000,
     def power(leaves, residuals, qs, count, state_key):
         n_dev = lax.axis_size(axis_name)
         step_key = jax.random.fold_in(state_key, count)
-        out = [None] * len(leaves)
+        out = sum_uncompressed(leaves, [compressed(g) for g in leaves], axis_name, mean=mean)
         new_res, new_q = list(residuals), list(qs)
         # Compressed leaves of one matrix view shape form a class. The large
         # per-leaf work (M_i = g_i + e_i, the products with M_i, the decode,
@@ -266,9 +267,6 @@ def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = 1_000,
         # no leaf is copied into a stack.
         classes: dict[tuple[int, int], list[int]] = {}
         mats = {}
-        plain_idx = [i for i, g in enumerate(leaves) if not compressed(g)]
-        for i, v in zip(plain_idx, reduce([leaves[i] for i in plain_idx]), strict=True):
-            out[i] = v
         for i, g in enumerate(leaves):
             if not compressed(g):
                 continue

@@ -112,15 +112,13 @@ def uncompressed_first(steps: int, tx: optax.GradientTransformation,
     The phase is a ``lax.cond`` on a step count that is the same on every
     device, so both phases are compiled once.
     """
-    plain = pmean(axis_name)
-
     def init(params):
         return jnp.zeros((), jnp.int32), tx.init(params)
 
     def update(grads, state, params=None):
         count, inner = state
         mean, inner = lax.cond(count < steps,
-                               lambda: (plain.update(grads, optax.EmptyState())[0], inner),
+                               lambda: (qc.fused_psum(grads, axis_name, mean=True), inner),
                                lambda: tx.update(grads, inner, params))
         return mean, (optax.safe_int32_increment(count), inner)
 

@@ -304,14 +304,7 @@ def swap_probe(sizes_mib: list[float], repeats: int) -> str | None:
 def _arrays_per_collective(fn, x) -> str:
     """The operands of each collective in ``fn``'s compiled program, e.g. ``"34"``
     for one tuple all-reduce of 34 arrays, ``"1+1+1"`` for three single ones."""
-    text = fn.lower(x).compile().as_text()
-    counts = []
-    for line in text.splitlines():
-        for op in ("all-reduce", "collective-permute"):
-            if f" {op}(" in line:
-                call = line.split(f" {op}(", 1)[1].split(")", 1)[0]
-                counts.append(str(call.count("%")))
-    return "+".join(counts)
+    return "+".join(str(op.arrays) for op in qc.wire_report(fn, x))
 
 
 def message_probe(sizes_mib: list[float], repeats: int, leaves=(1, 8, 34, 128)) -> str | None:
