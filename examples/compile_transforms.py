@@ -69,7 +69,7 @@ def measure(method: str, blocks: int, runs: int = 0, width: int = 512) -> dict:
     from jax.sharding import PartitionSpec as P
 
     import transforms
-    from qcollect.bench.compile import block_shapes
+    from qcollect.bench.workload import block_shapes
 
     mesh = jax.make_mesh((jax.device_count(),), ("d",))
     n = mesh.shape["d"]
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     import jax
     from tqdm import tqdm
 
-    from qcollect.bench.compile import block_params, block_shapes, blocks_for, tables
+    from qcollect.bench.workload import block_params, block_shapes, blocks_for, tables
 
     width = 512
     sizes = sorted({blocks_for(t, width) for t in targets})

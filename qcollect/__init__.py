@@ -41,6 +41,8 @@ from qcollect._powersgd import (
 )
 from qcollect._qsgd import QSGD_BUCKET_SIZES, qsgd
 from qcollect._ring import (
+    all_gather_invariant,
+    permute,
     ring_all_gather,
     ring_all_reduce,
     ring_bytes_per_device,
@@ -64,6 +66,7 @@ __all__ = [
     "QSGD_BUCKET_SIZES",
     "WireOp",
     "adaptive",
+    "all_gather_invariant",
     "bytes_along",
     "cast",
     "compressed_all_reduce",
@@ -77,6 +80,7 @@ __all__ = [
     "pack_bits",
     "packed_words",
     "payload_bytes",
+    "permute",
     "pca",
     "pca_fit",
     "powersgd",

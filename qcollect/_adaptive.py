@@ -2,11 +2,46 @@
 
 Dryden et al., "Communication Quantization for Data-parallel Training of Deep
 Neural Networks", section 3.3 (with footnote 1 and the sampling paragraph).
+
+Exact mode (``sample=None``) selects per group and sign with `lax.top_k`
+on the magnitudes when at most ``TOP_K_LIMIT = 256`` entries per group
+can be sent (the paper's ``pi = 64`` on columns of up to 16K rows), else
+with a 31-step bisection on integer keys of ``|v|`` (the paper uses
+quickselect; neither sorts the group). It sends exactly ``s+`` and
+``s-`` entries, equal magnitudes going to the lower index.
+
+Sampled mode (``sample=m``) is the paper's speed-up: ``m`` entries per
+group drawn uniformly with replacement (`qcollect._random.hash_bits`);
+``tau+`` is the ``max(1, round(m+ / pi))``-th largest non-negative
+sample, ``tau-`` likewise for the negative samples, and the means are
+the means of the samples at or beyond them. Every entry with
+``v >= tau+`` (non-negative) or ``v <= tau-`` (negative) is sent. The
+rank is rounded to nearest, not up: it estimates a quantile, and a
+ceiling would double the volume when ``m+ / pi`` is near 1; keep ``m``
+several times ``pi``. A sign no sample falls on sends nothing.
+
+Static capacity (the paper's message length is data-dependent): group
+``g`` of ``c_g`` entries gets ``min(c_g, ceil(scale * ceil(c_g / pi)) + 1)``
+slots, ``scale = capacity_scale``. With ``scale = 1`` (the exact-mode
+default) that is the bound on ``s+ + s-``; the extra slot per group
+stands where the paper sends its column separator word. Slots form one
+buffer for the whole array, so exact mode always fits (the counts are
+float32 ceilings; should rounding of a non-integer ``pi`` ever exceed
+the bound, the highest indices are dropped, never corrupted). Sampled
+thresholds let a fluctuating number of entries through (the paper's
+Figure 3 shows it), so sampled mode defaults to ``scale = 1.25``. When
+more entries pass than the buffer holds, the entries of largest ``|v|``
+in the whole array are kept (ties: lower index; a 31-pass bisection paid
+only then) and the rest decode to 0 and stay in the error-feedback
+residual.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +52,7 @@ from qcollect._config import check_choice, check_float, check_floating_input, ch
 from qcollect._golomb import check_coding, decode_entries, encode_entries
 from qcollect._groups import (
     Groups,
-    bucket_groups,
-    column_groups,
+    bucket_or_column_groups,
     overflow_safe_scale,
     padding_mask,
     sample_within_groups,
@@ -26,7 +60,7 @@ from qcollect._groups import (
     with_valid,
 )
 from qcollect._packing import pack_bits
-from qcollect._payload import Compressor, Payload, check_format, settings
+from qcollect._payload import Compressor, Payload, check_format
 from qcollect._sparse import (
     MAX_SIZE,
     check_size,
@@ -39,7 +73,7 @@ from qcollect._sparse import (
     top_mask,
 )
 
-__all__ = ["adaptive"]
+__all__ = ["AdaptiveCompressor", "adaptive"]
 
 #: Largest per-group send count for which exact thresholds come from top_k.
 TOP_K_LIMIT = 256
@@ -47,9 +81,35 @@ TOP_K_LIMIT = 256
 SAMPLED_CAPACITY_SCALE = 1.25
 
 
+@dataclasses.dataclass(frozen=True, eq=False, repr=False, kw_only=True)
+class AdaptiveCompressor(Compressor):
+    """What `adaptive` returns: a `Compressor` whose settings are typed fields.
+
+    Attributes:
+      proportion: ``pi``, the inverse of the fraction of each sign sent.
+      sample: sampled entries per group, or None for exact thresholds.
+      bucket_size: values per bucket (``grouping="bucket"``).
+      capacity_scale: slots per group relative to ``ceil(c_g / pi)``.
+      coding: ``"words"`` or ``"golomb_rice"``.
+      rice_k: the Rice parameter, None for the automatic one.
+
+    ``grouping``, a `Compressor` field, is its third setting.
+    """
+
+    proportion: float
+    sample: int | None
+    bucket_size: int
+    capacity_scale: float
+    coding: str
+    rice_k: int | None
+
+    setting_names: ClassVar[tuple[str, ...]] = (
+        "proportion", "sample", "grouping", "bucket_size", "capacity_scale", "coding", "rice_k")
+
+
 def adaptive(proportion: float = 64.0, *, sample: int | None = None, grouping: str = "column",
              bucket_size: int = 512, capacity_scale: float | None = None,
-             coding: str = "words", rice_k: int | None = None) -> Compressor:
+             coding: str = "words", rice_k: int | None = None) -> AdaptiveCompressor:
     """Adaptive quantization: send the largest ``1/proportion`` of each sign per group.
 
     For each group (a column of the weight matrix, as in the paper, or a
@@ -62,39 +122,10 @@ def adaptive(proportion: float = 64.0, *, sample: int | None = None, grouping: s
     one-bit quantization (section 3.1). Entries travel as the sparse words of
     threshold quantization (sign bit + 31-bit index) or Golomb-Rice coded
     (section 3.3: "amenable to delta coding and compression"). Error
-    feedback lives in the optax layer.
-
-    Exact mode (``sample=None``) selects per group and sign with `lax.top_k`
-    on the magnitudes when at most ``TOP_K_LIMIT = 256`` entries per group
-    can be sent (the paper's ``pi = 64`` on columns of up to 16K rows), else
-    with a 31-step bisection on integer keys of ``|v|`` (the paper uses
-    quickselect; neither sorts the group). It sends exactly ``s+`` and
-    ``s-`` entries, equal magnitudes going to the lower index.
-
-    Sampled mode (``sample=m``) is the paper's speed-up: ``m`` entries per
-    group drawn uniformly with replacement (`qcollect._random.hash_bits`);
-    ``tau+`` is the ``max(1, round(m+ / pi))``-th largest non-negative
-    sample, ``tau-`` likewise for the negative samples, and the means are
-    the means of the samples at or beyond them. Every entry with
-    ``v >= tau+`` (non-negative) or ``v <= tau-`` (negative) is sent. The
-    rank is rounded to nearest, not up: it estimates a quantile, and a
-    ceiling would double the volume when ``m+ / pi`` is near 1; keep ``m``
-    several times ``pi``. A sign no sample falls on sends nothing.
-
-    Static capacity (the paper's message length is data-dependent): group
-    ``g`` of ``c_g`` entries gets ``min(c_g, ceil(scale * ceil(c_g / pi)) + 1)``
-    slots, ``scale = capacity_scale``. With ``scale = 1`` (the exact-mode
-    default) that is the bound on ``s+ + s-``; the extra slot per group
-    stands where the paper sends its column separator word. Slots form one
-    buffer for the whole array, so exact mode always fits (the counts are
-    float32 ceilings; should rounding of a non-integer ``pi`` ever exceed
-    the bound, the highest indices are dropped, never corrupted). Sampled
-    thresholds let a fluctuating number of entries through (the paper's
-    Figure 3 shows it), so sampled mode defaults to ``scale = 1.25``. When
-    more entries pass than the buffer holds, the entries of largest ``|v|``
-    in the whole array are kept (ties: lower index; a 31-pass bisection paid
-    only then) and the rest decode to 0 and stay in the error-feedback
-    residual.
+    feedback lives in the optax layer. The module docstring details the
+    exact and sampled selections and the static capacity: when more entries
+    pass than the slots hold, those of largest ``|v|`` are sent and the rest
+    stay in the error-feedback residual.
 
     Non-finite input: the header word carries a flag set when the input holds
     NaN or Inf (a NaN is neither >= 0 nor < 0 and would never be sent); decode
@@ -114,15 +145,20 @@ def adaptive(proportion: float = 64.0, *, sample: int | None = None, grouping: s
         kernel) or ``"bucket"``.
       bucket_size: values per bucket, >= 1; used by ``grouping="bucket"``.
       capacity_scale: float >= 1, slots per group relative to
-        ``ceil(c_g / pi)`` (see above); None: 1.0 exact, 1.25 sampled.
+        ``ceil(c_g / pi)`` (module docstring); None: 1.0 exact, 1.25 sampled.
       coding: ``"words"`` or ``"golomb_rice"``.
       rice_k: Rice parameter 0..30 for ``"golomb_rice"`` (None: automatic).
 
     Returns:
-      A non-linear `Compressor`; stochastic when ``sample`` is set.
+      A non-linear `AdaptiveCompressor`; stochastic when ``sample`` is set.
+
+    Raises:
+      ValueError: a setting outside the values above.
 
     References:
-      Dryden et al., section 3.3, footnote 1; section 3.1 for the means.
+      Dryden, Moon, Jacobs, Van Essen, "Communication Quantization for
+      Data-parallel Training of Deep Neural Networks", MLHPC 2016, section
+      3.3, footnote 1; section 3.1 for the means.
 
     Example:
       >>> import jax.numpy as jnp, qcollect as qc
@@ -142,72 +178,91 @@ def adaptive(proportion: float = 64.0, *, sample: int | None = None, grouping: s
     name += f"/{coding}" + ("" if rice_k is None else f"/k{rice_k}")
     name += "" if sample is None else f"/sample{sample}"
     name += f"/cap{scale!r}"
+    static = {"name": name, "proportion": pi, "grouping": grouping, "bucket_size": bucket_size,
+              "capacity_scale": scale, "coding": coding, "rice_k": rice_k}
+    return AdaptiveCompressor(
+        name, functools.partial(_encode, sample=sample, **static),
+        functools.partial(_decode, **static), linear=False, stochastic=sample is not None,
+        block=bucket_size if grouping == "bucket" else 1, grouping=grouping, masks_padding=True,
+        proportion=pi, sample=sample, bucket_size=bucket_size, capacity_scale=scale,
+        coding=coding, rice_k=rice_k)
 
-    def groups_for(shape) -> Groups:
-        return bucket_groups(shape, bucket_size) if grouping == "bucket" else column_groups(shape)
 
-    def capacity_for(groups: Groups) -> int:
-        per_side = np.ceil(groups.counts.astype(np.float32) / np.float32(pi)).astype(np.int64)
-        slots = np.ceil(scale * per_side).astype(np.int64) + 1
-        return int(np.minimum(groups.counts, slots).sum())
+def _capacity(groups: Groups, pi: float, scale: float) -> int:
+    """Slots of the whole array: ``min(c_g, ceil(scale * ceil(c_g / pi)) + 1)`` per group."""
+    per_side = np.ceil(groups.counts.astype(np.float32) / np.float32(pi)).astype(np.int64)
+    slots = np.ceil(scale * per_side).astype(np.int64) + 1
+    return int(np.minimum(groups.counts, slots).sum())
 
-    def encode(x, key=None, *, valid=None):
-        x = jnp.asarray(x)
-        check_floating_input(x)
-        check_size(x.size)
-        if sample is not None:
-            require_key(key, "adaptive(sample=...)")
-        groups = groups_for(x.shape)
-        cap = capacity_for(groups)
-        groups = with_valid(groups, valid)
-        flat = jnp.ravel(x).astype(jnp.float32)
-        mag = magnitude_keys(flat)
-        # Signed keys: +key for v >= 0, -key for v < 0, 0 for NaN and padding.
-        skeys = jnp.where(flat < 0, -mag, jnp.where(flat >= 0, mag, 0))
-        kview = _int_view(skeys, groups)
-        real = padding_mask(groups)
-        if real is not None:  # zero padding marked by `valid` is never a candidate
-            kview = jnp.where(real, kview, 0)
-        if sample is None:
-            sides = jnp.stack([jnp.maximum(kview, 0), jnp.maximum(-kview, 0)])
-            mask, means = _exact(sides, groups, pi, x)
-            idx, count = compact_words(pack_bits(mask[: x.size], 1), x.size, cap)
-        else:
-            picks = sample_within_groups(to_view(x, groups), groups, key, sample)
-            t_pos, t_neg, means = _sampled_thresholds(picks, pi)
-            mask = (kview >= groups.expand(t_pos)) | (kview <= -groups.expand(t_neg))
-            mask = mask.reshape(-1)[: x.size]
-            idx, count = compact_largest(lambda: jnp.where(mask, mag, 0), x.size, cap)
-        positive = jnp.take(flat, idx, mode="clip") >= 0 if cap else jnp.zeros((0,), bool)
-        arrays = encode_entries(coding, idx, count, positive, x.size, rice_k)
-        arrays.update(header=header(count, flat), pos=means[0], neg=means[1])
-        return Payload(arrays, tuple(x.shape), x.dtype, name)
 
-    def decode(payload):
-        check_format(payload, name)
-        groups = groups_for(payload.shape)
-        size = math.prod(payload.shape)
-        count = header_count(payload["header"])
-        idx, positive = decode_entries(coding, payload.arrays, count, size,
-                                       capacity_for(groups), rice_k)
-        if groups.axis == 0:
-            group = idx % max(groups.view[1], 1)
-        else:
-            group = idx // bucket_size
-        group = jnp.minimum(group, max(groups.num_groups - 1, 0))
-        if groups.num_groups:
-            values = jnp.where(positive, payload["pos"][group], payload["neg"][group])
-        else:
-            values = jnp.zeros(idx.shape, jnp.float32)
-        flat = scatter_decode(payload["header"], size, idx, values)
-        return flat.reshape(payload.shape).astype(payload.dtype)
+def _signed_keys(flat, groups: Groups):
+    """``(magnitude keys, their signed view)``: ``+key`` for ``v >= 0``, ``-key``
+    for ``v < 0``, 0 for NaN and for padding (never a candidate)."""
+    mag = magnitude_keys(flat)
+    skeys = jnp.where(flat < 0, -mag, jnp.where(flat >= 0, mag, 0))
+    kview = _int_view(skeys, groups)
+    real = padding_mask(groups)
+    if real is not None:  # zero padding marked by `valid` is never a candidate
+        kview = jnp.where(real, kview, 0)
+    return mag, kview
 
-    return Compressor(name, encode, decode, linear=False, stochastic=sample is not None,
-                      block=bucket_size if grouping == "bucket" else 1, grouping=grouping,
-                      masks_padding=True,
-                      settings=settings(proportion=pi, sample=sample, grouping=grouping,
-                                        bucket_size=bucket_size, capacity_scale=scale,
-                                        coding=coding, rice_k=rice_k))
+
+def _select(x, key, kview, mag, groups: Groups, cap: int, *, pi: float, sample: int | None):
+    """Exact (`_exact`) or sampled (`_sampled_thresholds`) selection:
+    ``(idx, count, means)`` of the entries sent."""
+    if sample is None:
+        sides = jnp.stack([jnp.maximum(kview, 0), jnp.maximum(-kview, 0)])
+        mask, means = _exact(sides, groups, pi, x)
+        idx, count = compact_words(pack_bits(mask[: x.size], 1), x.size, cap)
+        return idx, count, means
+    picks = sample_within_groups(to_view(x, groups), groups, key, sample)
+    t_pos, t_neg, means = _sampled_thresholds(picks, pi)
+    mask = (kview >= groups.expand(t_pos)) | (kview <= -groups.expand(t_neg))
+    mask = mask.reshape(-1)[: x.size]
+    idx, count = compact_largest(lambda: jnp.where(mask, mag, 0), x.size, cap)
+    return idx, count, means
+
+
+def _encode(x, key=None, *, valid=None, name: str, proportion: float, sample: int | None,
+            grouping: str, bucket_size: int, capacity_scale: float, coding: str,
+            rice_k: int | None) -> Payload:
+    x = jnp.asarray(x)
+    check_floating_input(x)
+    check_size(x.size)
+    if sample is not None:
+        require_key(key, "adaptive(sample=...)")
+    groups = bucket_or_column_groups(x.shape, grouping, bucket_size)
+    cap = _capacity(groups, proportion, capacity_scale)
+    groups = with_valid(groups, valid)
+    flat = jnp.ravel(x).astype(jnp.float32)
+    mag, kview = _signed_keys(flat, groups)
+    idx, count, means = _select(x, key, kview, mag, groups, cap, pi=proportion, sample=sample)
+    positive = jnp.take(flat, idx, mode="clip") >= 0 if cap else jnp.zeros((0,), bool)
+    arrays = encode_entries(coding, idx, count, positive, x.size, rice_k)
+    arrays.update(header=header(count, flat), pos=means[0], neg=means[1])
+    return Payload(arrays, tuple(x.shape), x.dtype, name)
+
+
+def _decode(payload, *, name: str, proportion: float, grouping: str, bucket_size: int,
+            capacity_scale: float, coding: str, rice_k: int | None):
+    """Each sent entry as the mean of its group and sign; 0 elsewhere."""
+    check_format(payload, name)
+    groups = bucket_or_column_groups(payload.shape, grouping, bucket_size)
+    size = math.prod(payload.shape)
+    count = header_count(payload["header"])
+    idx, positive = decode_entries(coding, payload.arrays, count, size,
+                                   _capacity(groups, proportion, capacity_scale), rice_k)
+    if groups.axis == 0:
+        group = idx % max(groups.view[1], 1)
+    else:
+        group = idx // bucket_size
+    group = jnp.minimum(group, max(groups.num_groups - 1, 0))
+    if groups.num_groups:
+        values = jnp.where(positive, payload["pos"][group], payload["neg"][group])
+    else:
+        values = jnp.zeros(idx.shape, jnp.float32)
+    flat = scatter_decode(payload["header"], size, idx, values)
+    return flat.reshape(payload.shape).astype(payload.dtype)
 
 
 def _int_view(keys: jax.Array, groups: Groups) -> jax.Array:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +19,7 @@ from jax import lax
 from qcollect._layout import Segment
 from qcollect._messages import send_packed
 from qcollect._payload import Compressor
+from qcollect._result import AllReduceResult
 from qcollect._ring import (
     all_gather_invariant,
     as_varying,
@@ -27,7 +28,33 @@ from qcollect._ring import (
     take_chunk,
 )
 
-__all__ = ["Chunks", "Codec", "Stacked", "reduce_pieces", "reduce_segment"]
+__all__ = ["ChunkSource", "Chunks", "Codec", "Stacked", "reduce_pieces", "reduce_segment"]
+
+
+class ChunkSource(Protocol):
+    """What the algorithms read of a segment's chunks on this device: `Chunks`
+    (laid out by a `Segment`) or `Stacked` (already ``(n, *chunk_shape)``)."""
+
+    @property
+    def data(self) -> jax.Array: ...
+
+    @property
+    def n(self) -> int: ...
+
+    @property
+    def columns(self) -> bool: ...
+
+    @property
+    def dtype(self) -> Any: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    def take(self, j) -> jax.Array: ...
+
+    def stacked(self) -> jax.Array: ...
+
+    def _replace(self, *, data: Any = ...) -> ChunkSource: ...
 
 
 class Chunks(NamedTuple):
@@ -70,7 +97,7 @@ class Chunks(NamedTuple):
 
 class Stacked(NamedTuple):
     """Chunks already stacked ``(n, *chunk_shape)`` (a node's share in the
-    hierarchical all-reduce); the interface of `Chunks`."""
+    hierarchical all-reduce); a `ChunkSource` like `Chunks`."""
 
     data: jax.Array
     columns: bool
@@ -118,7 +145,7 @@ class Codec(NamedTuple):
         """``(payload, decode(payload))`` of chunk ``j`` (`Compressor.round_trip`)."""
         return self._code(self.compressor.round_trip, chunk, key, j)
 
-    def round_trip_all(self, chunks: Chunks, keys):
+    def round_trip_all(self, chunks: ChunkSource, keys):
         """Payloads of all ``n`` chunks and what they decode to, stacked.
         Contiguous chunks are vmapped; column blocks are encoded one after the
         other straight from the side-by-side matrix (XLA:CPU runs a vmapped
@@ -159,7 +186,7 @@ def _ring_compressed(chunks, axis_name, codec, key, n, me):
 
     reduced = lax.fori_loop(0, n - 1, step, as_varying(own(me - 1), axis_name))
     gathered = _gather(axis_name, reduced)
-    return codec.decode_all(gathered), contributed, None
+    return AllReduceResult(codec.decode_all(gathered), contributed, None)
 
 
 def _pairwise(chunks, axis_name, codec, key, n, me, owner_residual):
@@ -183,7 +210,7 @@ def _pairwise(chunks, axis_name, codec, key, n, me, owner_residual):
     gathered = _gather(axis_name, requantized)
     owner_error = lax.dynamic_update_index_in_dim(
         jnp.zeros(chunks.shape, jnp.float32), error, me, 0)
-    return codec.decode_all(gathered), contributed, owner_error
+    return AllReduceResult(codec.decode_all(gathered), contributed, owner_error)
 
 
 def _ring_requantize(chunks, axis_name, codec, key, n, me):
@@ -202,18 +229,20 @@ def _ring_requantize(chunks, axis_name, codec, key, n, me):
 
     reduced = lax.fori_loop(0, n - 1, step, as_varying(first, axis_name))
     gathered = _gather(axis_name, reduced)
-    return codec.decode_all(gathered), contributed, None
+    return AllReduceResult(codec.decode_all(gathered), contributed, None)
 
 
-def reduce_segment(chunks: Chunks, axis_name, codec, key, algorithm, owner_residual):
-    """One segment's chunks -> (value, contributed, owner_error), each stacked
-    ``(n, *chunk_shape)``."""
+def reduce_segment(chunks: ChunkSource, axis_name, codec, *, key, algorithm,
+                   owner_residual) -> AllReduceResult:
+    """One segment's chunks -> `AllReduceResult` ``(value, contributed,
+    owner_error)``, each stacked ``(n, *chunk_shape)``."""
     n = chunks.n
     if n == 1:
         payload, decoded = codec.round_trip(chunks.take(0), key, 0)
         owner_error = jnp.zeros(chunks.shape, jnp.float32) if algorithm == "pairwise" else None
         # The gather over one device moves nothing; it makes the value invariant.
-        return codec.decode_all(_gather(axis_name, payload)), decoded[None], owner_error
+        return AllReduceResult(codec.decode_all(_gather(axis_name, payload)), decoded[None],
+                               owner_error)
     me = lax.axis_index(axis_name)
     chunks = chunks._replace(data=as_varying(chunks.data, axis_name))
     if algorithm == "ring":
@@ -244,18 +273,17 @@ def _pieces(chunks: Chunks, valid, residual, pipeline: int):
     return out
 
 
-def reduce_pieces(chunks, axis_name, compressor, valid, key, algorithm, residual, pipeline):
+def reduce_pieces(chunks, axis_name, compressor, *, valid, key, algorithm, residual,
+                  pipeline) -> AllReduceResult:
     """`reduce_segment` of each pipeline piece, the results joined along the rows."""
     pieces = _pieces(chunks, valid, residual, pipeline)
     results = []
     for k, (part, part_valid, part_residual) in enumerate(pieces):
         codec = Codec(compressor, None if part_valid is None else jnp.asarray(part_valid))
         results.append(reduce_segment(part, axis_name, codec,
-                                       key if len(pieces) == 1 else jax.random.fold_in(key, k),
-                                       algorithm, part_residual))
+                                       key=key if len(pieces) == 1 else jax.random.fold_in(key, k),
+                                       algorithm=algorithm, owner_residual=part_residual))
     if len(results) == 1:
         return results[0]
-    return tuple(None if parts[0] is None else jnp.concatenate(parts, axis=1)
-                 for parts in zip(*results, strict=True))
-
-
+    return AllReduceResult(*(None if parts[0] is None else jnp.concatenate(parts, axis=1)
+                             for parts in zip(*results, strict=True)))

@@ -2,15 +2,32 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from typing import ClassVar
+
 import jax.numpy as jnp
 import numpy as np
 
 from qcollect._config import check_choice, check_floating_input
-from qcollect._payload import Compressor, Payload, check_format, settings
+from qcollect._payload import Compressor, Payload, check_format
 
-__all__ = ["identity", "cast"]
+__all__ = ["CastCompressor", "identity", "cast"]
 
 CAST_DTYPES = ("bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False, kw_only=True)
+class CastCompressor(Compressor):
+    """What `cast` returns: a `Compressor` whose setting is a typed field.
+
+    Attributes:
+      dtype: the wire dtype's name, ``"bfloat16"`` or ``"float16"``.
+    """
+
+    dtype: str
+
+    setting_names: ClassVar[tuple[str, ...]] = ("dtype",)
 
 
 def identity() -> Compressor:
@@ -24,20 +41,21 @@ def identity() -> Compressor:
       >>> qc.payload_bytes(c.encode(jnp.ones(10)))
       40
     """
-    name = "identity"
-
-    def encode(x, key=None):
-        x = jnp.asarray(x)
-        return Payload({"x": x}, tuple(x.shape), x.dtype, name)
-
-    def decode(payload):
-        check_format(payload, name)
-        return payload["x"]
-
-    return Compressor(name, encode, decode, linear=True, stochastic=False)
+    return Compressor("identity", _identity_encode, _identity_decode, linear=True,
+                      stochastic=False)
 
 
-def cast(dtype) -> Compressor:
+def _identity_encode(x, key=None) -> Payload:
+    x = jnp.asarray(x)
+    return Payload({"x": x}, tuple(x.shape), x.dtype, "identity")
+
+
+def _identity_decode(payload):
+    check_format(payload, "identity")
+    return payload["x"]
+
+
+def cast(dtype) -> CastCompressor:
     """Round to a 16-bit float on the wire; decode casts back.
 
     Args:
@@ -57,22 +75,25 @@ def cast(dtype) -> Compressor:
     except TypeError:
         dtype_name = str(dtype)
     check_choice("dtype", dtype_name, CAST_DTYPES)
-    wire = jnp.dtype(dtype_name)
     name = f"cast/{dtype_name}"
+    return CastCompressor(name, functools.partial(_cast_encode, name=name, wire_name=dtype_name),
+                          functools.partial(_cast_decode, name=name), linear=True,
+                          stochastic=False, dtype=dtype_name)
 
-    def encode(x, key=None):
-        x = jnp.asarray(x)
-        check_floating_input(x)
-        if jnp.finfo(wire).max < jnp.finfo(x.dtype).max:
-            # Saturate finite values beyond the wire's range (float16 tops at
-            # 65504) rather than send inf; NaN and Inf pass as they are.
-            top = float(jnp.finfo(wire).max)
-            x = jnp.where(jnp.isfinite(x), jnp.clip(x, -top, top), x)
-        return Payload({"x": x.astype(wire)}, tuple(x.shape), x.dtype, name)
 
-    def decode(payload):
-        check_format(payload, name)
-        return payload["x"].astype(payload.dtype)
+def _cast_encode(x, key=None, *, name: str, wire_name: str) -> Payload:
+    """``x`` rounded to the ``wire_name`` dtype, finite values saturated to its range."""
+    wire = jnp.dtype(wire_name)
+    x = jnp.asarray(x)
+    check_floating_input(x)
+    if jnp.finfo(wire).max < jnp.finfo(x.dtype).max:
+        # Saturate finite values beyond the wire's range (float16 tops at
+        # 65504) rather than send inf; NaN and Inf pass as they are.
+        top = float(jnp.finfo(wire).max)
+        x = jnp.where(jnp.isfinite(x), jnp.clip(x, -top, top), x)
+    return Payload({"x": x.astype(wire)}, tuple(x.shape), x.dtype, name)
 
-    return Compressor(name, encode, decode, linear=True, stochastic=False,
-                      settings=settings(dtype=dtype_name))
+
+def _cast_decode(payload, *, name: str):
+    check_format(payload, name)
+    return payload["x"].astype(payload.dtype)

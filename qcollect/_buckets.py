@@ -67,6 +67,7 @@ import numpy as np
 
 from qcollect._layout import BUCKET_BYTES, Segment
 from qcollect._offsets import runtime_slices
+from qcollect._result import AllReduceResult
 
 __all__ = ["AUTO_BATCH_BYTES", "AUTO_UNROLL_LIMIT", "UNROLL_BUCKETS", "check_unroll",
            "reduce_buckets", "runs_batched"]
@@ -121,12 +122,12 @@ def runs_batched(count: int, bucket_bytes: int, unroll=UNROLL_BUCKETS) -> bool:
 
 
 class _Run(NamedTuple):
-    """``count`` equal buckets of segment ``segment``, its `parts` entry ``part``."""
+    """``buckets`` equal buckets of segment ``segment``, its `parts` entry ``part``."""
 
     segment: int
     part: int
     first: int
-    count: int
+    buckets: int
 
 
 def _bucket_key(key, segment, bucket, single):
@@ -148,8 +149,90 @@ def _joined(arrays):
     return arrays[0] if len(arrays) == 1 else jnp.concatenate(arrays)
 
 
-def reduce_buckets(segments: list[Segment], leaves, owners, key, masks_padding: bool,
-                   reduce_bucket: Callable, unroll=UNROLL_BUCKETS) -> list[tuple]:
+class _Inputs(NamedTuple):
+    """Per segment index: its buckets' data, valid counts and owner residual,
+    each a list with one stacked array per `Segment.parts` entry, or None."""
+
+    data: dict
+    valid: dict
+    residual: dict
+
+    def of_run(self, run: _Run) -> tuple:
+        """A run's stacked data, valid counts and residual (None where absent)."""
+        return tuple(None if a[run.segment] is None else a[run.segment][run.part]
+                     for a in self)
+
+
+def _classes(segments: list[Segment], leaves, owners, masks_padding: bool):
+    """``(classes, inputs)``: the runs of equal buckets grouped by layout, and
+    the `_Inputs` they read."""
+    classes: dict[tuple, list[_Run]] = {}
+    inputs = _Inputs({}, {}, {})
+    for i, seg in enumerate(segments):
+        if seg.length == 0:
+            continue
+        inputs.data[i] = seg.bucketed(leaves)
+        inputs.valid[i] = seg.bucket_valid() if masks_padding else None
+        inputs.residual[i] = None if owners is None else seg.bucketed(owners)
+        first = 0
+        for p, (count, per_chunk) in enumerate(seg.parts):
+            signature = (seg.dtype, seg.columns, seg.unit, per_chunk, inputs.valid[i] is None)
+            classes.setdefault(signature, []).append(_Run(i, p, first, count))
+            first += count
+    return classes, inputs
+
+
+def _stacked(results: list[AllReduceResult]) -> AllReduceResult:
+    """The buckets' results stacked field by field (a None field stays None)."""
+    return AllReduceResult(*(None if field[0] is None else jnp.stack(field)
+                             for field in zip(*results, strict=True)))
+
+
+def _traced(runs: list[_Run], inputs: _Inputs, segments: list[Segment], key,
+            reduce_bucket: Callable, layout: Segment) -> dict:
+    """Each bucket of ``runs`` traced on its own, straight from its run's
+    buckets, with static keys and valid counts: ``{(segment, part): result}``."""
+    results = {}
+    for r in runs:
+        single = segments[r.segment].buckets == 1
+        outs = []
+        for b in range(r.buckets):
+            data, valid, residual = (None if a is None else a[b] for a in inputs.of_run(r))
+            outs.append(reduce_bucket(data, valid, residual,
+                                      key=_bucket_key(key, r.segment, r.first + b, single),
+                                      layout=layout))
+        results[r.segment, r.part] = _stacked(outs)
+    return results
+
+
+def _batched(runs: list[_Run], inputs: _Inputs, segments: list[Segment], key,
+             reduce_bucket: Callable, layout: Segment) -> dict:
+    """The buckets of ``runs`` as one `jax.vmap` batch: ``{(segment, part): result}``."""
+    index = np.array([(r.segment, r.first + b, segments[r.segment].buckets == 1)
+                      for r in runs for b in range(r.buckets)], np.int32)
+    stacked = [inputs.of_run(r) for r in runs]
+    xs = tuple(None if column[0] is None
+               else (np.concatenate(column) if isinstance(column[0], np.ndarray)
+                     else _joined(column))
+               for column in zip(*stacked, strict=True))
+
+    def body(xs_and_index):
+        (data_b, valid_b, residual_b), (segment, bucket, single) = xs_and_index
+        return reduce_bucket(data_b, valid_b, residual_b,
+                             key=_bucket_key(key, segment, bucket, single), layout=layout)
+
+    out = jax.vmap(body)((xs, tuple(jnp.asarray(index.T))))
+    firsts = np.cumsum([0] + [r.buckets for r in runs[:-1]])
+    counts = [r.buckets for r in runs]
+    # Runtime starts, so that the runs' consumers share kernels (qcollect._offsets).
+    cut = [None if a is None else [a] if len(runs) == 1 else runtime_slices(a, firsts, counts)
+           for a in out]
+    return {(r.segment, r.part): AllReduceResult(*(None if c is None else c[i] for c in cut))
+            for i, r in enumerate(runs)}
+
+
+def reduce_buckets(segments: list[Segment], leaves, owners, *, key, masks_padding: bool,
+                   reduce_bucket: Callable, unroll=UNROLL_BUCKETS) -> list[AllReduceResult]:
     """Runs ``reduce_bucket`` on every bucket of every segment, once per class.
 
     Args:
@@ -158,82 +241,32 @@ def reduce_buckets(segments: list[Segment], leaves, owners, key, masks_padding: 
       owners: arrays laid out like ``leaves`` (the owner residual), or None.
       key: this device's PRNG key, or None: ``reduce_bucket`` gets None.
       masks_padding: pass each bucket's valid counts (`Segment.bucket_valid`).
-      reduce_bucket: ``(data, valid, residual, key, layout) -> (value,
-        contributed, owner_error)`` for one bucket: ``data`` and ``residual``
-        as `Segment.laid_out` of the bucket ``layout``, results stacked
+      reduce_bucket: ``(data, valid, residual, *, key, layout) ->
+        AllReduceResult`` for one bucket: ``data`` and ``residual`` as
+        `Segment.laid_out` of the bucket ``layout``, results stacked
         ``(n, *chunk_shape)`` (``owner_error`` may be None).
       unroll: ``unroll_buckets`` (`runs_batched`): which classes run as one
         batch.
 
     Returns:
-      Per segment ``(value, contributed, owner_error)``, each a list with one
+      Per segment an `AllReduceResult` whose fields are lists with one
       ``(count, n, *chunk_shape)`` array per `Segment.parts` entry (for
-      `Segment.unbucketed`), or None; empty segments get ``(None, None,
-      None)``.
+      `Segment.unbucketed`), or None; empty segments get None fields.
     """
-    classes: dict[tuple, list[_Run]] = {}
-    data, valid, residual = {}, {}, {}
-    for i, seg in enumerate(segments):
-        if seg.length == 0:
-            continue
-        data[i] = seg.bucketed(leaves)
-        valid[i] = seg.bucket_valid() if masks_padding else None
-        residual[i] = None if owners is None else seg.bucketed(owners)
-        first = 0
-        for p, (count, per_chunk) in enumerate(seg.parts):
-            signature = (seg.dtype, seg.columns, seg.unit, per_chunk, valid[i] is None)
-            classes.setdefault(signature, []).append(_Run(i, p, first, count))
-            first += count
-
-    def inputs(r):
-        """A run's stacked data, valid counts and residual (None where absent)."""
-        return tuple(None if a[r.segment] is None else a[r.segment][r.part]
-                     for a in (data, valid, residual))
-
-    results: dict[tuple[int, int], tuple] = {}
+    classes, inputs = _classes(segments, leaves, owners, masks_padding)
+    results: dict[tuple[int, int], AllReduceResult] = {}
     for (_, _, _, per_chunk, _), runs in classes.items():
         layout = segments[runs[0].segment].layout(per_chunk)
         nbytes = layout.n * math.prod(layout.chunk_shape) * np.dtype(layout.dtype).itemsize
-        if not runs_batched(sum(r.count for r in runs), nbytes, unroll):
-            # Traced once per bucket, straight from each run's buckets, with
-            # static keys and valid counts.
-            for r in runs:
-                single = segments[r.segment].buckets == 1
-                outs = [reduce_bucket(*(None if a is None else a[b] for a in inputs(r)),
-                                      _bucket_key(key, r.segment, r.first + b, single), layout)
-                        for b in range(r.count)]
-                results[r.segment, r.part] = tuple(
-                    None if outs[0][k] is None else jnp.stack([o[k] for o in outs])
-                    for k in range(3))
-            continue
-        index = np.array([(r.segment, r.first + b, segments[r.segment].buckets == 1)
-                          for r in runs for b in range(r.count)], np.int32)
-        stacked = [inputs(r) for r in runs]
-        xs = tuple(None if column[0] is None
-                   else (np.concatenate(column) if isinstance(column[0], np.ndarray)
-                         else _joined(column))
-                   for column in zip(*stacked, strict=True))
-
-        def body(xs_and_index, layout=layout):
-            (data_b, valid_b, residual_b), (segment, bucket, single) = xs_and_index
-            return reduce_bucket(data_b, valid_b, residual_b,
-                                 _bucket_key(key, segment, bucket, single), layout)
-
-        out = jax.vmap(body)((xs, tuple(jnp.asarray(index.T))))
-        firsts = np.cumsum([0] + [r.count for r in runs[:-1]])
-        counts = [r.count for r in runs]
-        # Runtime starts, so that the runs' consumers share kernels (qcollect._offsets).
-        cut = [None if a is None else [a] if len(runs) == 1 else runtime_slices(a, firsts, counts)
-               for a in out]
-        for i, r in enumerate(runs):
-            results[r.segment, r.part] = tuple(None if c is None else c[i] for c in cut)
-
+        batched = runs_batched(sum(r.buckets for r in runs), nbytes, unroll)
+        run = _batched if batched else _traced
+        results.update(run(runs, inputs, segments, key, reduce_bucket, layout))
     reduced = []
     for i, seg in enumerate(segments):
         if seg.length == 0:
-            reduced.append((None, None, None))
+            reduced.append(AllReduceResult(None, None, None))
             continue
         parts = [results[i, p] for p in range(len(seg.parts))]
-        reduced.append(tuple(None if parts[0][k] is None else [part[k] for part in parts]
-                             for k in range(3)))
+        reduced.append(AllReduceResult(*(None if field[0] is None else list(field)
+                                         for field in zip(*parts, strict=True))))
     return reduced

@@ -36,11 +36,44 @@ the three algorithms above across nodes (``outer``) on each device's share.
 
 Randomness: every device uses ``fold_in(key, axis_index)``, then one more
 ``fold_in`` per chunk, hop or buffer, so no two encodings share a stream.
+
+Segments, buckets and batches (the ``fuse``, ``bucket_bytes``, ``pipeline``
+and ``unroll_buckets`` arguments):
+
+* ``fuse`` places leaves of one dtype side by side in one segment, so small
+  leaves ride together: whole buckets row after row, or for
+  ``grouping="column"`` compressors the columns of leaves with the same
+  number of rows; ``"leaf"``-grouped compressors (entropy, QSGD with one
+  scale per array) never fuse. Fusion never changes a leaf's statistics,
+  only how many collectives run.
+* ``bucket_bytes`` (default 4 MiB, like the buckets of PyTorch DDP): the
+  fused leaves of one dtype are reduced in buckets of whole groups of at
+  most this size, and a leaf of ``bucket_bytes`` or more is reduced on its
+  own, so large leaves are not copied into a concatenation.
+* ``pipeline`` cuts each device's chunk of a row segment into runs of whole
+  groups (column segments are never cut), each reduced by its own chain of
+  collectives, so that XLA may encode or decode one run while another is
+  on the wire. Values are those of ``pipeline=1`` up to rounding order and
+  the random streams of stochastic compressors; the wire bytes grow at most
+  by each run's last, partly filled packed word. On the CPU backend no
+  count helped (`docs/collectives.md`, "Pipelining").
+* ``unroll_buckets``: equal buckets (the full buckets of fused leaves, or
+  leaves of one shape reduced on their own) form a class, which runs either
+  as one batch (`jax.vmap` over its buckets: each hop one message for all
+  of them, one copy of the algorithm in the program) or traced once per
+  bucket (`qc.runs_batched`, `qcollect._buckets`). By default classes of
+  buckets of at most 4 MiB run batched, classes of larger buckets (large
+  leaves reduced alone) traced unless more than 16 share a shape. The batch
+  copies its buckets into a stack; measured across processes it pays for
+  4 MiB buckets and not for 8 MiB and up, and in one process it is slower
+  (`docs/benchmarks.md`, "Batch or trace"). Values, wire bytes and random
+  streams are the same either way, except that a constant payload array
+  (PCA's weight) is sent once per batch, not once per bucket.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -52,28 +85,11 @@ from qcollect._config import check_choice, check_int
 from qcollect._hierarchical import reduce_hierarchical
 from qcollect._layout import BUCKET_BYTES, plan_segments
 from qcollect._payload import Compressor
+from qcollect._result import AllReduceResult
 
 __all__ = ["ALGORITHMS", "AllReduceResult", "compressed_all_reduce"]
 
 ALGORITHMS = ("ring", "pairwise", "ring_requantize")
-
-
-class AllReduceResult(NamedTuple):
-    """What `compressed_all_reduce` returns.
-
-    Attributes:
-      value: the estimate of the sum (or mean) over devices, like ``x``.
-      contributed: what this device's own encodings decode to, like ``x``; for
-        error feedback keep ``x - contributed``.
-      owner_error: ``"pairwise"`` only (else None): like ``x``, zero outside
-        the chunk this device owns, and there the owner's re-encoding error
-        ``reduced - decode(encode(reduced))`` (in sum units). Pass it back as
-        ``owner_residual`` next step for two-level error feedback.
-    """
-
-    value: Any
-    contributed: Any
-    owner_error: Any
 
 
 def _hierarchy(axis_name):
@@ -113,45 +129,19 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
         ``"ring_requantize"``, or ``"auto"``: ring for linear compressors,
         else pairwise. See the module docstring.
       mean: divide the sum by the number of devices (of both axes).
-      fuse: place leaves of one dtype side by side in one segment (default),
-        so small leaves ride together: whole buckets row after row, or for
-        ``grouping="column"`` compressors the columns of leaves with the
-        same number of rows; ``"leaf"``-grouped compressors (entropy, QSGD
-        with one scale per array) never fuse. Fusion never changes a leaf's
-        statistics, only how many collectives run. With False every leaf is
-        reduced on its own.
-      bucket_bytes: bucket size (default 4 MiB, like the buckets of PyTorch
-        DDP): the fused leaves of one dtype are reduced in buckets of whole
-        groups of at most this size, and a leaf of ``bucket_bytes`` or more
-        is reduced on its own, so large leaves are not copied into a
-        concatenation. None: no cap.
-      pipeline: pieces per chunk (row segments; column segments are never
-        cut): each device's chunk of a segment is cut into ``pipeline`` runs
-        of whole groups, and each run is reduced by its own chain of
-        collectives, so that XLA may encode or decode one run while another
-        is on the wire. Values are those of ``pipeline=1`` up to rounding
-        order and the random streams of stochastic compressors; groups are
-        never cut, so the wire bytes grow at most by each run's last,
-        partly filled packed word. Default 1: on the CPU backend no count
-        helped (`docs/collectives.md`, "Pipelining"). Single axis only.
+      fuse: place leaves of one dtype side by side in one segment (default);
+        with False every leaf is reduced on its own (module docstring).
+      bucket_bytes: the largest bucket of fused leaves (default 4 MiB); a
+        leaf of that size or more is reduced on its own. None: no cap.
+      pipeline: pieces per chunk of a row segment, each reduced by its own
+        chain of collectives (default 1). Single axis only.
       owner_residual: ``"pairwise"`` only: the previous step's ``owner_error``
         (same structure as ``x``), added to the owner's reduced chunk before
         re-encoding.
-      unroll_buckets: equal buckets (the full buckets of fused leaves, or
-        leaves of one shape reduced on their own) form a class, which runs
-        either as one batch (`jax.vmap` over its buckets: each hop one
-        message for all of them, one copy of the algorithm in the program)
-        or traced once per bucket (`qc.runs_batched`). Default ``"auto"``
-        (`qc.UNROLL_BUCKETS`): batch classes of buckets of at most 4 MiB,
-        trace classes of larger buckets (large leaves reduced alone) unless
-        more than 16 share a shape. The batch copies its buckets into a
-        stack; measured across processes it pays for 4 MiB buckets and not
-        for 8 MiB and up, and in one process it is slower
-        (`docs/benchmarks.md`, "Batch or trace"). An int ``K`` batches
-        classes of more than ``K`` buckets (0: all), None never batches (the
-        program then grows with the model). Values, wire bytes and random
-        streams are the same either way, except that a constant payload
-        array (PCA's weight) is sent once per batch, not once per bucket.
+      unroll_buckets: which classes of equal buckets run as one batch
+        (`qc.runs_batched`): ``"auto"`` (default, `qc.UNROLL_BUCKETS`), an
+        int ``K`` (batch classes of more than ``K`` buckets; 0: all), or
+        None (never batch; the program then grows with the model).
 
     Returns:
       `AllReduceResult` ``(value, contributed, owner_error)``, each like ``x``
@@ -170,6 +160,39 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
       Gibiansky (ring all-reduce); hierarchical: ZeRO++ (Wang et al. 2023,
       hierarchical quantized gradients), CGX (Markov et al. 2022).
     """
+    algorithm, pipeline, unroll_buckets, axes = _checked_settings(
+        compressor, key, axis_name, algorithm=algorithm, pipeline=pipeline,
+        owner_residual=owner_residual, unroll_buckets=unroll_buckets)
+    key = jax.random.fold_in(jax.random.key(0) if key is None else key,
+                             lax.axis_index(axis_name))
+    n = int(lax.axis_size(axis_name))
+    leaves, treedef = jax.tree.flatten(x)
+    leaves = [jnp.asarray(leaf) for leaf in leaves]
+    owners = (treedef.flatten_up_to(owner_residual) if owner_residual is not None
+              else None)
+    segments = plan_segments(leaves, compressor.grouping, compressor.block, n,
+                             fuse=fuse, bucket_bytes=bucket_bytes)
+    reduce_bucket = functools.partial(_reduce_bucket, axis_name=axis_name, axes=axes,
+                                      compressor=compressor, algorithm=algorithm,
+                                      pipeline=pipeline)
+    reduced = reduce_buckets(segments, leaves, owners, key=key,
+                             masks_padding=compressor.masks_padding,
+                             reduce_bucket=reduce_bucket, unroll=unroll_buckets)
+    value, contributed, owner = _leaf_results(segments, reduced, leaves, treedef)
+    if mean:
+        value = jax.tree.map(lambda v: (v / n).astype(v.dtype), value)
+    return AllReduceResult(value, contributed, owner if algorithm == "pairwise" else None)
+
+
+def _checked_settings(compressor: Compressor, key, axis_name, *, algorithm: str,
+                      pipeline: int, owner_residual, unroll_buckets):
+    """``(algorithm, pipeline, unroll_buckets, axes)`` validated, ``"auto"``
+    resolved, ``axes`` the `_hierarchy` of ``axis_name``.
+
+    Raises ValueError for an unknown algorithm, ``"ring"`` with a non-linear
+    compressor, ``owner_residual`` with another algorithm than pairwise, a
+    stochastic compressor without a key, or ``pipeline > 1`` over two axes.
+    """
     check_choice("algorithm", algorithm, ("auto",) + ALGORITHMS)
     pipeline = check_int("pipeline", pipeline, low=1)
     unroll_buckets = check_unroll(unroll_buckets)
@@ -186,42 +209,32 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
     if axes is not None and pipeline > 1:
         raise ValueError("pipeline > 1 needs a single axis_name; a hierarchical (outer, "
                          "inner) all-reduce runs one piece per chunk")
-    if key is None:
-        key = jax.random.key(0)
-    key = jax.random.fold_in(key, lax.axis_index(axis_name))
-    n = int(lax.axis_size(axis_name))
+    return algorithm, pipeline, unroll_buckets, axes
 
-    leaves, treedef = jax.tree.flatten(x)
-    leaves = [jnp.asarray(leaf) for leaf in leaves]
-    owners = (treedef.flatten_up_to(owner_residual) if owner_residual is not None
-              else None)
-    segments = plan_segments(leaves, compressor.grouping, compressor.block, n,
-                             fuse=fuse, bucket_bytes=bucket_bytes)
 
-    def reduce_bucket(data, valid, residual, bucket_key, layout):
-        chunks = Chunks(data, layout)
-        residual = None if residual is None else Chunks(residual, layout)
-        if axes is None:
-            return reduce_pieces(chunks, axis_name, compressor, valid, bucket_key, algorithm,
-                                 residual, pipeline)
-        return reduce_hierarchical(chunks, axes, compressor, valid, bucket_key, algorithm,
-                                   residual)
+def _reduce_bucket(data, valid, residual, *, key, layout, axis_name, axes,
+                   compressor: Compressor, algorithm: str, pipeline: int) -> AllReduceResult:
+    """One bucket's chunks reduced over ``axis_name``, or hierarchically over ``axes``."""
+    chunks = Chunks(data, layout)
+    residual = None if residual is None else Chunks(residual, layout)
+    if axes is None:
+        return reduce_pieces(chunks, axis_name, compressor, valid=valid, key=key,
+                             algorithm=algorithm, residual=residual, pipeline=pipeline)
+    return reduce_hierarchical(chunks, axes, compressor, valid=valid, key=key,
+                               algorithm=algorithm, residual=residual)
 
-    out = {"value": [None] * len(leaves), "contributed": [None] * len(leaves),
-           "owner": [None] * len(leaves)}
-    reduced = reduce_buckets(segments, leaves, owners, key, compressor.masks_padding,
-                             reduce_bucket, unroll_buckets)
+
+def _leaf_results(segments, reduced: list[AllReduceResult], leaves, treedef) -> AllReduceResult:
+    """The segments' reduced buckets cut back into trees like ``x``, field by
+    field; empty leaves get zeros (a float32 owner error)."""
+    out = {field: [None] * len(leaves) for field in AllReduceResult._fields}
     for seg, parts in zip(segments, reduced, strict=True):
-        for name, stacked in zip(("value", "contributed", "owner"), parts, strict=True):
+        for field, stacked in zip(AllReduceResult._fields, parts, strict=True):
             if seg.length == 0:  # empty leaves
                 for m in seg.members:
-                    dtype = jnp.float32 if name == "owner" else leaves[m].dtype
-                    out[name][m] = jnp.zeros(leaves[m].shape, dtype)
+                    dtype = jnp.float32 if field == "owner_error" else leaves[m].dtype
+                    out[field][m] = jnp.zeros(leaves[m].shape, dtype)
             elif stacked is not None:
                 for m, leaf in zip(seg.members, seg.unbucketed(stacked), strict=True):
-                    out[name][m] = leaf
-    value, contributed = (treedef.unflatten(out[k]) for k in ("value", "contributed"))
-    owner = treedef.unflatten(out["owner"]) if algorithm == "pairwise" else None
-    if mean:
-        value = jax.tree.map(lambda v: (v / n).astype(v.dtype), value)
-    return AllReduceResult(value, contributed, owner)
+                    out[field][m] = leaf
+    return AllReduceResult(*(treedef.unflatten(out[field]) for field in AllReduceResult._fields))

@@ -2,13 +2,72 @@
 
 Oland and Raj, "Reducing Communication Overhead in Distributed Learning by an
 Order of Magnitude (Almost)", sections 3.1-3.4 and 4, Algorithms 1 and 2.
+
+Payload arrays (exactly what travels):
+
+* ``range``: float32 ``[w_min, w_max]``.
+* ``bits``: uint32 ``[N]``.
+* ``lengths`` (huffman): 4-bit code lengths of the ``2**B`` symbols,
+  8 per uint32, ``B`` the planned ``N`` or ``ceiling``.
+* ``blocks`` (huffman): uint32 start bit of every ``block_size`` values
+  (not in the paper), so decode runs ``ceil(n / block_size)`` decoders
+  in lockstep, one `lax.scan` step per value of a block, instead of
+  one step per value. Costs ``32 / block_size`` bits per value (0.03
+  at 1024); ``block_size=None`` sends one block (the paper's stream).
+* ``stream``: the codes, MSB-first in uint32 words; fixed ``N``-bit
+  codes when ``huffman=False``.
+
+So ``payload_bytes`` is ``12 + 4 * words`` raw, and with Huffman
+``12 + 4 * ceil(2**B / 8) + 4 * ceil(n / block_size) + 4 * words``. The
+code lengths cost ``2**(B+2) / n`` bits per value: negligible for large
+arrays, several bits per value below a few thousand values.
+
+Static shapes: ``N`` and the Huffman stream length depend on the data.
+
+* Without a plan, ``encode`` sizes for the worst case: ``2**ceiling``
+  code lengths and ``ceil(n * ceiling / 32)`` stream words. Overflow is
+  impossible: the code is optimal among prefix codes of length <= 15 and
+  the fixed ``N``-bit code is one of them (``N <= ceiling <= 15``), so
+  the stream never exceeds ``n * N`` bits.
+* ``c.plan(x, key)`` (cheap, jittable) returns the exact ``N`` and word
+  count; ``c.encode(x, key, plan=plan)`` or ``c.with_plan(plan).encode``
+  then sends exactly that many words and ``2**N`` lengths, skipping the
+  entropy estimate. The plan must be Python ints (static); cache one
+  compiled step per plan, e.g.
+  ``jax.jit(c.encode, static_argnames="plan")``. A planned payload is
+  the unplanned one with its arrays cut to the planned sizes; its wire
+  format names the plan (``.../plan/b7/w100``), so every entropy
+  compressor of the same settings decodes it and checks those sizes
+  exactly. A plan belongs to the compressor and data it was made for; on
+  other data (or a Huffman plan given to a raw compressor) it may be too
+  small: the stream is then cut and ``range`` is set to NaN, so decode
+  returns all-NaN, never a silently wrong value. Plan-based encode vmaps
+  with one plan for the whole batch (e.g. the largest of a vmapped
+  ``plan``).
+
+Decoding a Huffman stream is sequential within a block; on a 2-core CPU
+1M values decode in about 5-25 ms (block sizes 256 to 4096, and about
+the same for one block: XLA runs the scan loop tightly on CPU).
+
+Groups: the whole array is one group (Oland & Raj code each weight
+matrix on its own). In `qcollect.compressed_all_reduce` a leaf is never
+fused with another; each device codes its equal share of the leaf with
+its own range, bit-width and Huffman code (``valid``, one count, keeps
+the zero padding of the last share out of the range and the entropy
+sample; padding values are still coded, clipped into the range).
+
+Non-finite inputs make ``w_min``/``w_max`` non-finite, so every decoded
+value is non-finite. Arrays of fewer than 2**32 / 15 values (bit offsets
+are uint32). The entropy sample is drawn with replacement from a
+counter-based hash of ``key`` (the paper: "a random subset").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,15 +75,16 @@ import jax.numpy as jnp
 from qcollect import _huffman as hf
 from qcollect._config import check_float, check_floating_input, check_int, require_key
 from qcollect._packing import pack_bits, packed_words, unpack_bits
-from qcollect._payload import Compressor, Payload, check_format, settings
+from qcollect._payload import Compressor, Payload, check_format
 from qcollect._random import hash_bits
 
-__all__ = ["EntropyCompressor", "EntropyPlan", "entropy"]
+__all__ = ["EntropyCompressor", "EntropyPlan", "PlannedEntropyCompressor", "entropy"]
 
 #: Tolerance subtracted before rounding ``H + c`` up, so an entropy that is an
 #: integer up to float32 error (e.g. a uniform histogram) is not bumped a bit.
 ROUND_TOL = 1e-4
 _MAX_BITS = hf.MAX_CODE_LENGTH
+_SETTINGS = ("sample_fraction", "prelim_bits", "floor", "ceiling", "huffman", "block_size")
 
 
 class EntropyPlan(NamedTuple):
@@ -42,26 +102,68 @@ class EntropyPlan(NamedTuple):
     words: int
 
 
-class EntropyCompressor(Compressor):
-    """A `Compressor` with the plan step of the entropy quantizer.
+@dataclasses.dataclass(frozen=True, eq=False, repr=False, kw_only=True)
+class _EntropySettings(Compressor):
+    """An entropy compressor's settings as typed fields, and its codec.
 
-    Its ``encode(x, key=None, *, plan=None)`` also takes a static plan.
+    Attributes:
+      sample_fraction: ``F``, the fraction of values in the entropy sample.
+      prelim_bits: ``M``, bits of the preliminary quantizer.
+      floor: ``c``, the floor on the bit-width.
+      ceiling: the cap on the bit-width ``N``.
+      huffman: whether the values are Huffman coded.
+      block_size: values per decodable block, or None for one block.
+      codec: the `_Codec` behind ``encode`` and ``decode`` (not a setting).
+    """
+
+    sample_fraction: float
+    prelim_bits: int
+    floor: int
+    ceiling: int
+    huffman: bool
+    block_size: int | None
+    codec: _Codec
+
+    setting_names: ClassVar[tuple[str, ...]] = _SETTINGS
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False, kw_only=True)
+class EntropyCompressor(_EntropySettings):
+    """What `entropy` returns: a `Compressor` with the plan step of the entropy quantizer.
+
+    Its settings are typed fields (``sample_fraction``, ``prelim_bits``,
+    ``floor``, ``ceiling``, ``huffman``, ``block_size``), and its
+    ``encode(x, key=None, *, plan=None, valid=None)`` also takes a static plan.
 
     Methods:
       plan(x, key=None, *, valid=None) -> EntropyPlan of int32 arrays;
         jittable and vmappable.
-      with_plan(plan) -> Compressor whose encode uses the plan's static sizes
-        (deterministic; the same plan returns the same, cached, object). The
-        plan is one of its settings, an `EntropyPlan` of Python ints, so
-        planned compressors are equal when their settings and plans are,
-        and each plan is its own static `jax.jit` argument.
+      with_plan(plan) -> `PlannedEntropyCompressor` whose encode uses the
+        plan's static sizes (deterministic; the same plan returns the same,
+        cached, object). The plan is one of its settings, an `EntropyPlan`
+        of Python ints, so planned compressors are equal when their settings
+        and plans are, and each plan is its own static `jax.jit` argument.
     """
 
     def plan(self, x, key=None, *, valid=None) -> EntropyPlan:
-        return self.encode.__self__.plan(x, key, valid=valid)
+        return self.codec.plan(x, key, valid=valid)
 
-    def with_plan(self, plan) -> Compressor:
-        return self.encode.__self__.with_plan(plan)
+    def with_plan(self, plan) -> PlannedEntropyCompressor:
+        return self.codec.with_plan(plan)
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False, kw_only=True)
+class PlannedEntropyCompressor(_EntropySettings):
+    """An entropy compressor bound to one static plan (`EntropyCompressor.with_plan`).
+
+    Attributes:
+      plan: the `EntropyPlan` of Python ints its payloads are sized for; its
+        last setting.
+    """
+
+    plan: EntropyPlan
+
+    setting_names: ClassVar[tuple[str, ...]] = _SETTINGS + ("plan",)
 
 
 def entropy(*, sample_fraction: float = 0.03, prelim_bits: int = 4, floor: int = 6,
@@ -89,64 +191,9 @@ def entropy(*, sample_fraction: float = 0.03, prelim_bits: int = 4, floor: int =
        canonical code is rebuilt from the lengths (Algorithm 2, line 2).
 
     Decoding (Algorithm 2) needs only the payload:
-    ``w_min + (w_max - w_min) (q + 0.5) / 2**N``.
-
-    Payload arrays (exactly what travels):
-      * ``range``: float32 ``[w_min, w_max]``.
-      * ``bits``: uint32 ``[N]``.
-      * ``lengths`` (huffman): 4-bit code lengths of the ``2**B`` symbols,
-        8 per uint32, ``B`` the planned ``N`` or ``ceiling``.
-      * ``blocks`` (huffman): uint32 start bit of every ``block_size`` values
-        (not in the paper), so decode runs ``ceil(n / block_size)`` decoders
-        in lockstep, one `lax.scan` step per value of a block, instead of
-        one step per value. Costs ``32 / block_size`` bits per value (0.03
-        at 1024); ``block_size=None`` sends one block (the paper's stream).
-      * ``stream``: the codes, MSB-first in uint32 words; fixed ``N``-bit
-        codes when ``huffman=False``.
-
-    So ``payload_bytes`` is ``12 + 4 * words`` raw, and with Huffman
-    ``12 + 4 * ceil(2**B / 8) + 4 * ceil(n / block_size) + 4 * words``. The
-    code lengths cost ``2**(B+2) / n`` bits per value: negligible for large
-    arrays, several bits per value below a few thousand values.
-
-    Static shapes: ``N`` and the Huffman stream length depend on the data.
-
-    * Without a plan, ``encode`` sizes for the worst case: ``2**ceiling``
-      code lengths and ``ceil(n * ceiling / 32)`` stream words. Overflow is
-      impossible: the code is optimal among prefix codes of length <= 15 and
-      the fixed ``N``-bit code is one of them (``N <= ceiling <= 15``), so
-      the stream never exceeds ``n * N`` bits.
-    * ``c.plan(x, key)`` (cheap, jittable) returns the exact ``N`` and word
-      count; ``c.encode(x, key, plan=plan)`` or ``c.with_plan(plan).encode``
-      then sends exactly that many words and ``2**N`` lengths, skipping the
-      entropy estimate. The plan must be Python ints (static); cache one
-      compiled step per plan, e.g.
-      ``jax.jit(c.encode, static_argnames="plan")``. A planned payload is
-      the unplanned one with its arrays cut to the planned sizes; its wire
-      format names the plan (``.../plan/b7/w100``), so every entropy
-      compressor of the same settings decodes it and checks those sizes
-      exactly. A plan
-      belongs to the compressor and data it was made for; on other data (or
-      a Huffman plan given to a raw compressor) it may be too small: the
-      stream is then cut and ``range`` is set to NaN, so decode returns
-      all-NaN, never a silently wrong value. Plan-based encode vmaps with
-      one plan for the whole batch (e.g. the largest of a vmapped ``plan``).
-
-    Decoding a Huffman stream is sequential within a block; on a 2-core CPU
-    1M values decode in about 5-25 ms (block sizes 256 to 4096, and about
-    the same for one block: XLA runs the scan loop tightly on CPU).
-
-    Groups: the whole array is one group (Oland & Raj code each weight
-    matrix on its own). In `qcollect.compressed_all_reduce` a leaf is never
-    fused with another; each device codes its equal share of the leaf with
-    its own range, bit-width and Huffman code (``valid``, one count, keeps
-    the zero padding of the last share out of the range and the entropy
-    sample; padding values are still coded, clipped into the range).
-
-    Non-finite inputs make ``w_min``/``w_max`` non-finite, so every decoded
-    value is non-finite. Arrays of fewer than 2**32 / 15 values (bit offsets
-    are uint32). The entropy sample is drawn with replacement from a
-    counter-based hash of ``key`` (the paper: "a random subset").
+    ``w_min + (w_max - w_min) (q + 0.5) / 2**N``. The module docstring lists
+    the payload arrays and their sizes, and how a plan (``c.plan``, then
+    ``c.with_plan``) replaces the worst-case sizes of the unplanned encode.
 
     Args:
       sample_fraction: ``F`` in (0, 1]; at 1 every value is used once and no
@@ -162,9 +209,14 @@ def entropy(*, sample_fraction: float = 0.03, prelim_bits: int = 4, floor: int =
       An `EntropyCompressor`: a `Compressor` (stochastic when ``F < 1``, not
       linear) with ``plan`` and ``with_plan``.
 
+    Raises:
+      ValueError: a setting outside the values above.
+
     References:
-      Oland and Raj, Algorithms 1 and 2; F = 0.03, M = 4, c = 5 or 6 and a
-      ceiling of 10 are the paper's settings (sections 4, 5.1).
+      Oland and Raj, "Reducing Communication Overhead in Distributed
+      Learning by an Order of Magnitude (Almost)", Algorithms 1 and 2;
+      F = 0.03, M = 4, c = 5 or 6 and a ceiling of 10 are the paper's
+      settings (sections 4, 5.1).
 
     Example:
       >>> import jax, jax.numpy as jnp, qcollect as qc
@@ -187,7 +239,7 @@ def entropy(*, sample_fraction: float = 0.03, prelim_bits: int = 4, floor: int =
     codec = _Codec(sample_fraction, prelim_bits, floor, ceiling, huffman, block_size)
     return EntropyCompressor(codec.name, codec.encode, codec.decode, linear=False,
                              stochastic=codec.stochastic, grouping="leaf", masks_padding=True,
-                             settings=codec.settings, variant=codec.variant)
+                             variant=codec.variant, codec=codec, **codec.settings())
 
 
 def _flat(x) -> jax.Array:
@@ -257,17 +309,26 @@ def _entropy_bits(codes, bins: int):
 
 
 class _Codec:
+    """The entropy quantizer of one set of settings: plan, encode, decode.
+
+    Every compressor it makes (the unplanned one and one per plan) holds it
+    as ``codec`` and encodes and decodes through it.
+    """
+
     def __init__(self, fraction, prelim, floor, ceiling, huffman, block):
         self.fraction, self.prelim, self.floor = fraction, prelim, floor
         self.ceiling, self.huffman, self.block = ceiling, huffman, block
         self.stochastic = fraction < 1.0
         self.name = (f"entropy/F{fraction:g}/M{prelim}/c{floor}/max{ceiling}/"
                      + (f"huffman/{block or 'whole'}" if huffman else "raw"))
-        self.settings = settings(sample_fraction=fraction, prelim_bits=prelim, floor=floor,
-                                 ceiling=ceiling, huffman=huffman, block_size=block)
         self._planned = functools.lru_cache(maxsize=64)(self._make_planned)
 
-    def with_plan(self, plan) -> Compressor:
+    def settings(self) -> dict:
+        """The entropy compressor's settings, by name."""
+        values = (self.fraction, self.prelim, self.floor, self.ceiling, self.huffman, self.block)
+        return dict(zip(_SETTINGS, values, strict=True))
+
+    def with_plan(self, plan) -> PlannedEntropyCompressor:
         """The compressor for one plan; the same plan returns the same object."""
         try:
             bits, words = (int(v) for v in plan)
@@ -336,17 +397,20 @@ class _Codec:
         words = packed_words(flat.shape[0] * self.ceiling, 1, jnp.uint32)
         return self._pack(x, flat, w_min, w_max, n_bits, 2**self.ceiling, words, self.name)
 
-    def _make_planned(self, bits: int, words: int) -> Compressor:
-        def encode(x, key=None, *, valid=None):
-            flat = _flat(x)
-            w_min, w_max = _extremes(flat, _real_count(valid))
-            return self._pack(x, flat, w_min, w_max, jnp.int32(bits), 2**bits, words, name)
-
+    def _make_planned(self, bits: int, words: int) -> PlannedEntropyCompressor:
         name = self.plan_format(bits, words)
-        return Compressor(name, encode, self.decode, linear=False, stochastic=False,
-                          grouping="leaf", masks_padding=True,
-                          settings=self.settings + (("plan", EntropyPlan(bits, words)),),
-                          variant=self.variant)
+        encode = functools.partial(self._encode_planned, bits=bits, words=words, name=name)
+        return PlannedEntropyCompressor(
+            name, encode, self.decode, linear=False, stochastic=False, grouping="leaf",
+            masks_padding=True, variant=self.variant, codec=self,
+            plan=EntropyPlan(bits, words), **self.settings())
+
+    def _encode_planned(self, x, key=None, *, valid=None, bits: int, words: int,
+                        name: str) -> Payload:
+        """Encode sized by a plan: ``2**bits`` code lengths, ``words`` stream words."""
+        flat = _flat(x)
+        w_min, w_max = _extremes(flat, _real_count(valid))
+        return self._pack(x, flat, w_min, w_max, jnp.int32(bits), 2**bits, words, name)
 
     def _pack(self, x, flat, w_min, w_max, n_bits, symbols, words, name) -> Payload:
         q = _quantize(flat, w_min, w_max, n_bits)

@@ -95,6 +95,12 @@ def column_groups(shape: tuple[int, ...]) -> Groups:
                   counts=np.full(cols, rows, np.int64))
 
 
+def bucket_or_column_groups(shape: tuple[int, ...], grouping: str,
+                            bucket_size: int) -> Groups:
+    """`bucket_groups` for ``grouping="bucket"``, else `column_groups`."""
+    return bucket_groups(shape, bucket_size) if grouping == "bucket" else column_groups(shape)
+
+
 def with_valid(groups: Groups, valid) -> Groups:
     """``groups`` with traced real counts per group (None: unchanged)."""
     if valid is None:

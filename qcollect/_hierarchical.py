@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from qcollect._algorithms import Chunks, Codec, Stacked, reduce_segment
+from qcollect._result import AllReduceResult
 from qcollect._ring import all_gather_invariant, as_varying, ring_reduce_scatter
 
 __all__ = ["reduce_hierarchical"]
@@ -59,10 +60,11 @@ def _reduce_scatter(grid, inner):
     return lax.psum_scatter(grid, inner, scatter_dimension=0, tiled=False)
 
 
-def reduce_hierarchical(chunks: Chunks, axes, compressor, valid, key, algorithm, residual):
-    """One segment's ``n = M L`` chunks -> ``(value, contributed, owner_error)``,
-    each stacked ``(n, *chunk_shape)`` as `reduce_segment`'s; ``value`` is
-    invariant along both axes."""
+def reduce_hierarchical(chunks: Chunks, axes, compressor, *, valid, key, algorithm,
+                        residual) -> AllReduceResult:
+    """One segment's ``n = M L`` chunks -> `AllReduceResult` ``(value,
+    contributed, owner_error)``, each stacked ``(n, *chunk_shape)`` as
+    `reduce_segment`'s; ``value`` is invariant along both axes."""
     outer, inner = axes
     nodes, local = int(lax.axis_size(outer)), int(lax.axis_size(inner))
     me = lax.axis_index(inner)
@@ -83,7 +85,8 @@ def reduce_hierarchical(chunks: Chunks, axes, compressor, valid, key, algorithm,
     owner_residual = None if residual is None else Stacked(mine(residual.stacked()),
                                                            chunks.columns)
     value, contributed, owner_error = reduce_segment(
-        Stacked(share, chunks.columns), outer, codec, key, algorithm, owner_residual)
+        Stacked(share, chunks.columns), outer, codec, key=key, algorithm=algorithm,
+        owner_residual=owner_residual)
     # What this device's share lost to compression, taken off its own grid
     # row only (the other rows are contributed as they are).
     lost = share.astype(jnp.float32) - contributed.astype(jnp.float32)
@@ -92,4 +95,4 @@ def reduce_hierarchical(chunks: Chunks, axes, compressor, valid, key, algorithm,
                                                   me * nodes, axis=0)
     if owner_error is not None:
         owner_error = placed(owner_error, jnp.float32)
-    return all_gather_invariant(value, inner), contributed, owner_error
+    return AllReduceResult(all_gather_invariant(value, inner), contributed, owner_error)

@@ -221,7 +221,7 @@ class Segment:
         axis = 1 if self.columns else 0
         if self.columns:
             pieces = [p.transpose(2, 0, 1, 3).reshape(self.unit, -1) for p in parts]
-            sizes = self.spans
+            sizes = list(self.spans)
         else:
             pieces = [p.reshape(-1) for p in parts]
             sizes = [math.prod(shape) for shape in self.shapes]

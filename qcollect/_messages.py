@@ -149,7 +149,9 @@ def send_packed(send, leaves: list, lead: int = 0) -> list:
 def _buckets(sizes: list[int], cap: int | None) -> list[list[int]]:
     """Consecutive runs of indices of at most ``cap`` bytes; an index of
     ``cap`` bytes or more is a run of its own."""
-    runs, current, total = [], [], 0
+    runs: list[list[int]] = []
+    current: list[int] = []
+    total = 0
     for i, size in enumerate(sizes):
         if cap is not None and size >= cap:
             runs.append([i])

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import numpy as np
@@ -69,10 +69,13 @@ class Compressor:
     ``qc.cast("bfloat16")``. Scalars compare with their kind (``1``, ``1.0``
     and ``True`` are three different settings).
 
-    The settings read as attributes: ``qc.qsgd(bits=4).bits == 4``,
-    ``qc.qsgd(bits=4).bucket_size == 512``; a name that is neither a field
-    nor a setting raises AttributeError listing the compressor's settings.
-    The repr is the factory call with every setting spelled out.
+    Each factory returns a subclass whose settings are typed dataclass
+    fields (`QSGDCompressor`'s ``bits``, ``bucket_size``, ``norm``...), so
+    they read as attributes that type checkers see:
+    ``qc.qsgd(bits=4).bits == 4``, ``qc.qsgd(bits=4).bucket_size == 512``.
+    ``settings`` lists them as ``(name, value)`` pairs in the factory's
+    argument order (a subclass names them in ``setting_names``). The repr
+    is the factory call with every setting spelled out.
 
     Attributes:
       name: wire-format name shared by every payload it produces.
@@ -97,7 +100,8 @@ class Compressor:
         (1-bit means, adaptive selections, entropy ranges). Collectives pass
         it for a leaf's last, partial bucket and for padding chunks.
       settings: the factory's settings as ``(name, value)`` pairs, in the
-        factory's argument order.
+        factory's argument order; derived from the fields ``setting_names``
+        lists where a subclass declares them.
       encode_decoded: optional ``encode_decoded(x, key=None, **kw) ->
         (payload, x_hat)`` with ``x_hat == decode(payload)``, computed in
         the encoding pass from the values the codes were made of (no
@@ -152,7 +156,13 @@ class Compressor:
     variant: Callable[[str], Compressor | None] | None = dataclasses.field(
         default=None, compare=False)
 
+    #: The fields that are the factory's settings, in its argument order.
+    setting_names: ClassVar[tuple[str, ...]] = ()
+
     def __post_init__(self):
+        if self.setting_names:
+            object.__setattr__(self, "settings",
+                               tuple((k, getattr(self, k)) for k in self.setting_names))
         # Decode through the layout check; a decode taken from another
         # compressor (``dataclasses.replace``, a shared codec) is unwrapped
         # first, so it is checked against this compressor's own encode.
@@ -211,16 +221,6 @@ class Compressor:
     def __hash__(self) -> int:
         return hash(self._identity())
 
-    def __getattr__(self, item: str):
-        if item.startswith("__"):
-            raise AttributeError(item)
-        for key, value in object.__getattribute__(self, "settings"):
-            if key == item:
-                return value
-        names = ", ".join(k for k, _ in object.__getattribute__(self, "settings")) or "none"
-        raise AttributeError(f"{object.__getattribute__(self, 'name')!r} compressor has no "
-                             f"setting {item!r} (settings: {names})")
-
     def __repr__(self) -> str:
         factory = self.name.split("/")[0]
         args = ", ".join(f"{k}={_short_repr(v)}" for k, v in self.settings)
@@ -255,19 +255,6 @@ def _short_repr(value) -> str:
     if isinstance(value, type) or callable(value) and hasattr(value, "__name__"):
         return getattr(value, "__name__", repr(value))
     return repr(value)
-
-
-def settings(**kwargs) -> tuple[tuple[str, Any], ...]:
-    """A factory's settings as ``(name, value)`` pairs, for `Compressor.settings`.
-
-    Args:
-      **kwargs: every keyword of the factory, after validation and with its
-        defaults resolved, in the factory's argument order.
-
-    Returns:
-      The pairs, in that order.
-    """
-    return tuple(kwargs.items())
 
 
 def payload_bytes(tree) -> int:

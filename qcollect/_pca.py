@@ -18,20 +18,45 @@ pass Flax kernels as they are. (A PyTorch ``(F, D, H, W)`` kernel must first be
 transposed to ``(H, W, D, F)``.) Pick ``K`` a multiple of ``F * D``
 (section 3, "Slice size K"; Fig. 5), e.g. ``3 * F * D`` for a 3x3 kernel. A
 dense kernel ``(in, out)`` likewise puts the ``out`` units innermost.
+
+Planning d: the eq. 6 rank depends on the data. Two ways to live with it:
+
+* host planning (``max_rank=None``): call `pca_fit` outside `jax.jit` on
+  concrete samples; ``rank`` is a Python int and ``basis`` has exactly
+  ``d`` columns. Build `pca` from it and compile the step for that ``d``
+  (one compiled step per plan, reused for the ``L_c`` compressed
+  iterations). Under a trace this path raises ValueError.
+* capped (``max_rank=r``): works under `jax.jit`. ``basis`` always has ``r``
+  columns; columns ``d..r-1`` are zero, so their coefficients are zero on
+  the wire and decode exactly as the eq. 6 truncation. The wire carries
+  ``r`` coefficients per slice. When ``d > r`` nothing is zeroed and the
+  loss exceeds ``loss_threshold`` (``rank`` still reports ``d``; error
+  feedback keeps what is lost).
+
+Linearity: decode is ``U_d g' + (w / N) mu`` per slice with ``w`` the
+summed weight. Summing the payloads of the ``N`` workers gives ``w = N``
+and decodes to ``U_d U_d^T (sum g - mu) + mu`` (eq. 4, 5); decoding one
+worker's payload gives its share ``U_d g'_n + mu / N``, the local
+reconstruction of eq. (7). So decode(sum of payloads) equals the sum of
+decodes for any subset of workers, as the ring of Algorithm 1 and error
+feedback need. (Deviation: the paper sends no weight; without it the
+affine eq. 5 decode would not be linear in the payload. It costs 4 bytes
+per array.)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from qcollect._config import check_choice, check_floating_input, check_int
-from qcollect._payload import Compressor, Payload, check_format, settings
+from qcollect._payload import Compressor, Payload, check_format
 from qcollect._scaling import (
     OVERFLOW_EXPONENT,
     binary_exponent,
@@ -41,7 +66,7 @@ from qcollect._scaling import (
     unscale,
 )
 
-__all__ = ["PCAFit", "pca", "pca_fit"]
+__all__ = ["PCACompressor", "PCAFit", "pca", "pca_fit"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -142,6 +167,40 @@ def _eig(rows):
     return mean, jnp.flip(eigvecs, axis=1), energy
 
 
+def _check_fit_settings(slice_size, loss_threshold, rank, max_rank, slices: str):
+    """`pca_fit`'s validated ``(slice_size, loss_threshold, rank, max_rank)``."""
+    slice_size = check_int("slice_size", slice_size, low=1)
+    check_choice("slices", slices, ("first", "all"))
+    if (loss_threshold is None) == (rank is None):
+        raise ValueError("exactly one of loss_threshold and rank must be given, got "
+                         f"loss_threshold={loss_threshold!r}, rank={rank!r}")
+    if rank is not None:
+        rank = check_int("rank", rank, low=1, high=slice_size)
+        if max_rank is not None:
+            raise ValueError(f"max_rank applies to loss_threshold only, got max_rank={max_rank!r}")
+    else:
+        loss_threshold = _check_loss_threshold(loss_threshold)
+        max_rank = check_int("max_rank", max_rank, low=1, high=slice_size, allow_none=True)
+    return slice_size, loss_threshold, rank, max_rank
+
+
+def _check_samples(samples, slice_size: int, host: bool) -> jax.Array:
+    """``samples`` as an array of at least one sample of at least ``slice_size``
+    values, concrete where the rank is planned on the host."""
+    samples = jnp.asarray(samples)
+    check_floating_input(samples)
+    if samples.ndim < 1 or samples.shape[0] < 1:
+        raise ValueError(f"samples must have shape (num_samples >= 1, ...), got {samples.shape}")
+    if host and isinstance(samples, jax.core.Tracer):
+        raise ValueError("loss_threshold without max_rank picks d on the host and needs "
+                         "concrete samples; under jax.jit pass max_rank (a static cap)")
+    length = math.prod(samples.shape[1:])
+    if length < slice_size:
+        raise ValueError(
+            f"slice_size must be at most the sample length {length}, got {slice_size}")
+    return samples
+
+
 def pca_fit(samples, *, slice_size: int, loss_threshold: float | None = None,
             rank: int | None = None, max_rank: int | None = None,
             slices: str = "first") -> PCAFit:
@@ -165,19 +224,11 @@ def pca_fit(samples, *, slice_size: int, loss_threshold: float | None = None,
     significant eigenvectors. ``d`` is either given (``rank``) or the smallest
     rank whose explained energy reaches ``1 - loss_threshold`` (eq. 6).
 
-    Static shapes: the eq. 6 rank depends on the data. Two ways to live with it:
-
-    * host planning (``max_rank=None``): call `pca_fit` outside `jax.jit` on
-      concrete samples; ``rank`` is a Python int and ``basis`` has exactly
-      ``d`` columns. Build `pca` from it and compile the step for that ``d``
-      (one compiled step per plan, reused for the ``L_c`` compressed
-      iterations). Under a trace this path raises ValueError.
-    * capped (``max_rank=r``): works under `jax.jit`. ``basis`` always has ``r``
-      columns; columns ``d..r-1`` are zero, so their coefficients are zero on
-      the wire and decode exactly as the eq. 6 truncation. The wire carries
-      ``r`` coefficients per slice. When ``d > r`` nothing is zeroed and the
-      loss exceeds ``loss_threshold`` (``rank`` still reports ``d``; error
-      feedback keeps what is lost).
+    Static shapes: the eq. 6 rank depends on the data. With ``max_rank=None``
+    it is planned on the host (concrete samples, a Python int ``rank``, a
+    ``basis`` of exactly ``d`` columns); with ``max_rank=r`` the fit runs
+    under `jax.jit` and ``basis`` has ``r`` columns, ``d..r-1`` zero (module
+    docstring, "Planning d").
 
     Args:
       samples: floating array ``(L_t, ...)``; ``L_t >= 1`` samples of at least
@@ -192,9 +243,16 @@ def pca_fit(samples, *, slice_size: int, loss_threshold: float | None = None,
     Returns:
       A `PCAFit` ``(basis, mean, rank, energy)``.
 
+    Raises:
+      ValueError: a setting outside the values above, not exactly one of
+        ``loss_threshold`` and ``rank``, samples shorter than a slice, or
+        host planning on traced samples.
+
     References:
-      GradiVeQ, section 2 (PCA after eq. 5) and section 3 ("Compressor
-      dimension d", eq. 6; "Slice size K").
+      Yu et al., "GradiVeQ: Vector Quantization for Bandwidth-Efficient
+      Gradient Aggregation in Distributed CNN Training" (NeurIPS 2018),
+      section 2 (PCA after eq. 5) and section 3 ("Compressor dimension d",
+      eq. 6; "Slice size K").
 
     Example:
       >>> import jax, jax.numpy as jnp, qcollect as qc
@@ -204,31 +262,10 @@ def pca_fit(samples, *, slice_size: int, loss_threshold: float | None = None,
       >>> fit.rank, fit.basis.shape
       (2, (4, 2))
     """
-    slice_size = check_int("slice_size", slice_size, low=1)
-    check_choice("slices", slices, ("first", "all"))
-    if (loss_threshold is None) == (rank is None):
-        raise ValueError("exactly one of loss_threshold and rank must be given, got "
-                         f"loss_threshold={loss_threshold!r}, rank={rank!r}")
-    if rank is not None:
-        rank = check_int("rank", rank, low=1, high=slice_size)
-        if max_rank is not None:
-            raise ValueError(f"max_rank applies to loss_threshold only, got max_rank={max_rank!r}")
-    else:
-        loss_threshold = _check_loss_threshold(loss_threshold)
-        max_rank = check_int("max_rank", max_rank, low=1, high=slice_size, allow_none=True)
-    samples = jnp.asarray(samples)
-    check_floating_input(samples)
-    if samples.ndim < 1 or samples.shape[0] < 1:
-        raise ValueError(f"samples must have shape (num_samples >= 1, ...), got {samples.shape}")
+    slice_size, loss_threshold, rank, max_rank = _check_fit_settings(
+        slice_size, loss_threshold, rank, max_rank, slices)
     host = rank is None and max_rank is None
-    if host and isinstance(samples, jax.core.Tracer):
-        raise ValueError("loss_threshold without max_rank picks d on the host and needs "
-                         "concrete samples; under jax.jit pass max_rank (a static cap)")
-
-    length = math.prod(samples.shape[1:])
-    if length < slice_size:
-        raise ValueError(
-            f"slice_size must be at most the sample length {length}, got {slice_size}")
+    samples = _check_samples(samples, slice_size, host)
     mean, eigvecs, energy = _spectrum(samples, slice_size, slices)
     if rank is not None:
         return PCAFit(eigvecs[:, :rank], mean, rank, energy)
@@ -279,7 +316,24 @@ def _scaled_reconstruct(coeffs, weight, u, mu, num_workers):
     return unscale(view, e)
 
 
-def pca(basis, mean=None, *, num_workers: int) -> Compressor:
+@dataclasses.dataclass(frozen=True, eq=False, repr=False, kw_only=True)
+class PCACompressor(Compressor):
+    """What `pca` returns: a `Compressor` whose settings are typed fields.
+
+    Attributes:
+      basis: ``U_d``, the ``(K, d)`` array given to `pca` (compared by identity).
+      mean: ``mu``, the ``(K,)`` array given to `pca`, or None.
+      num_workers: ``N``, the number of payloads that are summed.
+    """
+
+    basis: Any
+    mean: Any
+    num_workers: int
+
+    setting_names: ClassVar[tuple[str, ...]] = ("basis", "mean", "num_workers")
+
+
+def pca(basis, mean=None, *, num_workers: int) -> PCACompressor:
     """GradiVeQ's linear compressor over slices of ``K`` adjacent values.
 
     The array is flattened row-major (see the module docstring for conv
@@ -291,25 +345,19 @@ def pca(basis, mean=None, *, num_workers: int) -> Compressor:
     * ``tail``: the last ``size mod K`` values that do not fill a slice, sent
       raw as float32 (lossless; absent when ``K`` divides the size). An array
       shorter than ``K`` is all tail and is not compressed.
-    * ``weight``: one float32 ``1.0`` (only when ``mean`` is given).
+    * ``weight``: one float32 ``1.0`` (only when ``mean`` is given), so that
+      the decode of summed payloads adds ``mu`` once (module docstring,
+      "Linearity").
 
     Payload size: ``4 * (num_slices * d + size mod K + [mean given])`` bytes,
     so the wire shrinks by about ``K / d`` (eq. 3, ``r = K / d``).
-
-    Linearity: decode is ``U_d g' + (w / N) mu`` per slice with ``w`` the
-    summed weight. Summing the payloads of the ``N`` workers gives
-    ``w = N`` and decodes to ``U_d U_d^T (sum g - mu) + mu`` (eq. 4, 5);
-    decoding one worker's payload gives its share ``U_d g'_n + mu / N``, the
-    local reconstruction of eq. (7). So decode(sum of payloads) equals the sum
-    of decodes for any subset of workers, as the ring of Algorithm 1 and error
-    feedback need. (Deviation: the paper sends no weight; without it the
-    affine eq. 5 decode would not be linear in the payload. It costs 4 bytes
-    per array.)
 
     ``basis`` and ``mean`` are captured by the compressor, not sent: every
     worker holds the same ones (they come from `pca_fit` on the aggregated
     samples, which all workers see). They may be traced arrays, e.g. read
     from optimizer state inside a jitted step; only their shapes are static.
+    Non-finite values in a slice make its coefficients, and so the whole
+    decoded slice, non-finite.
 
     Args:
       basis: ``U_d``, ``(K, d)`` with ``1 <= d <= K``, orthonormal columns
@@ -322,17 +370,20 @@ def pca(basis, mean=None, *, num_workers: int) -> Compressor:
         ``mu``.
 
     Returns:
-      A `Compressor` with ``linear=True`` and ``stochastic=False``. Its
+      A `PCACompressor` with ``linear=True`` and ``stochastic=False``. Its
       settings ``basis``, ``mean`` and ``num_workers`` read as attributes;
       ``basis`` and ``mean`` compare by identity (see `Compressor`): two
       compressors are equal when they hold the same array objects, and a
       refitted basis makes a new compressor even if its values repeat.
 
-    Non-finite values in a slice make its coefficients, and so the whole
-    decoded slice, non-finite.
+    Raises:
+      ValueError: ``num_workers`` below 1, or ``basis`` or ``mean`` of
+        another shape than above.
 
     References:
-      GradiVeQ, section 2, eq. (1) and (3)-(5), Fig. 3, Algorithm 1.
+      Yu et al., "GradiVeQ: Vector Quantization for Bandwidth-Efficient
+      Gradient Aggregation in Distributed CNN Training" (NeurIPS 2018),
+      section 2, eq. (1) and (3)-(5), Fig. 3, Algorithm 1.
 
     Example:
       >>> import jax.numpy as jnp, qcollect as qc
@@ -355,54 +406,66 @@ def pca(basis, mean=None, *, num_workers: int) -> Compressor:
     u = jnp.asarray(basis, jnp.float32)
     mu = None if mean is None else jnp.asarray(mean, jnp.float32)
     name = f"pca/K{slice_size}/d{dim}" + ("" if mu is None else f"/N{num_workers}")
+    static = {"name": name, "u": u, "mu": mu, "num_workers": num_workers}
+    return PCACompressor(name, functools.partial(_encode, **static),
+                         functools.partial(_decode, **static), linear=True, stochastic=False,
+                         block=slice_size, grouping="bucket", basis=basis, mean=mean,
+                         num_workers=num_workers)
 
-    def project(view):
-        if mu is not None:
-            view = view - mu * (1.0 / num_workers)
-        return jnp.matmul(view, u, precision=_HIGHEST)
 
-    def reconstruct(coeffs, weight):
-        view = jnp.matmul(coeffs, u.T, precision=_HIGHEST)
-        if mu is not None:
-            view = view + (weight * (1.0 / num_workers)) * mu
-        return view
+def _project(view, u, mu, num_workers):
+    """``(view - mu / N) @ u``: eq. (3) for every slice (row) of ``view``."""
+    if mu is not None:
+        view = view - mu * (1.0 / num_workers)
+    return jnp.matmul(view, u, precision=_HIGHEST)
 
-    def encode(x, key=None):
-        x = jnp.asarray(x)
-        check_floating_input(x)
-        flat = jnp.ravel(x).astype(jnp.float32)
-        full = flat.shape[0] // slice_size
-        arrays = {}
-        if full:
-            view = flat[: full * slice_size].reshape(full, slice_size)
-            rescaled = functools.partial(_scaled_project, num_workers=num_workers)
-            arrays["coeffs"] = unless_overflow(project(view), rescaled, view, u, mu)
-        if flat.shape[0] > full * slice_size:
-            arrays["tail"] = flat[full * slice_size:]
-        if mu is not None:
-            arrays["weight"] = jnp.ones((), jnp.float32)
-        return Payload(arrays, tuple(x.shape), x.dtype, name)
 
-    def decode(payload):
-        check_format(payload, name)
-        size = math.prod(payload.shape)
-        full = size // slice_size
-        parts = []
-        if full:
-            coeffs, weight = payload["coeffs"], payload.arrays.get("weight")
-            # Checked on the bound from the (small) coefficients, not on the
-            # full-size result.
-            operands = (coeffs, weight, u, mu)
-            overflowed = jnp.any(_reconstruct_exponents(*operands, num_workers) != 0)
-            rescaled = functools.partial(_scaled_reconstruct, num_workers=num_workers)
-            view = unless_overflow(reconstruct(coeffs, weight), rescaled, *operands,
-                                   overflowed=overflowed)
-            parts.append(view.reshape(-1))
-        if size > full * slice_size:
-            parts.append(payload["tail"])
-        flat = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.float32)
-        return flat.reshape(payload.shape).astype(payload.dtype)
+def _reconstruct(coeffs, weight, u, mu, num_workers):
+    """``coeffs @ u^T + w mu / N``: eq. (5) for every slice."""
+    view = jnp.matmul(coeffs, u.T, precision=_HIGHEST)
+    if mu is not None:
+        view = view + (weight * (1.0 / num_workers)) * mu
+    return view
 
-    return Compressor(name, encode, decode, linear=True, stochastic=False, block=slice_size,
-                      grouping="bucket",
-                      settings=settings(basis=basis, mean=mean, num_workers=num_workers))
+
+def _encode(x, key=None, *, name: str, u, mu, num_workers: int) -> Payload:
+    """The coefficients of the full slices, the raw tail and the weight."""
+    x = jnp.asarray(x)
+    check_floating_input(x)
+    slice_size = u.shape[0]
+    flat = jnp.ravel(x).astype(jnp.float32)
+    full = flat.shape[0] // slice_size
+    arrays = {}
+    if full:
+        view = flat[: full * slice_size].reshape(full, slice_size)
+        rescaled = functools.partial(_scaled_project, num_workers=num_workers)
+        arrays["coeffs"] = unless_overflow(_project(view, u, mu, num_workers), rescaled,
+                                           view, u, mu)
+    if flat.shape[0] > full * slice_size:
+        arrays["tail"] = flat[full * slice_size:]
+    if mu is not None:
+        arrays["weight"] = jnp.ones((), jnp.float32)
+    return Payload(arrays, tuple(x.shape), x.dtype, name)
+
+
+def _decode(payload, *, name: str, u, mu, num_workers: int):
+    """The reconstructed slices followed by the raw tail."""
+    check_format(payload, name)
+    slice_size = u.shape[0]
+    size = math.prod(payload.shape)
+    full = size // slice_size
+    parts = []
+    if full:
+        coeffs, weight = payload["coeffs"], payload.arrays.get("weight")
+        # Checked on the bound from the (small) coefficients, not on the
+        # full-size result.
+        operands = (coeffs, weight, u, mu)
+        overflowed = jnp.any(_reconstruct_exponents(*operands, num_workers) != 0)
+        rescaled = functools.partial(_scaled_reconstruct, num_workers=num_workers)
+        view = unless_overflow(_reconstruct(*operands, num_workers), rescaled, *operands,
+                               overflowed=overflowed)
+        parts.append(view.reshape(-1))
+    if size > full * slice_size:
+        parts.append(payload["tail"])
+    flat = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.float32)
+    return flat.reshape(payload.shape).astype(payload.dtype)

@@ -59,15 +59,17 @@ and, up to rounding, the same result).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 
 from qcollect._config import check_choice, check_float, check_floating_input, check_int
 from qcollect._groups import matrix_view
-from qcollect._payload import Compressor, Payload, check_format, settings
+from qcollect._payload import Compressor, Payload, check_format
 from qcollect._scaling import (
     OVERFLOW_EXPONENT,
     binary_exponent,
@@ -77,6 +79,7 @@ from qcollect._scaling import (
 )
 
 __all__ = [
+    "PowerSGDCompressor",
     "orthogonalize",
     "powersgd",
     "powersgd_init",
@@ -331,7 +334,7 @@ def _maybe_transpose(x, transpose):
     return jnp.swapaxes(x, -1, -2) if transpose else x
 
 
-def _exponents(a, b):
+def _exponents(a, b) -> tuple[jax.Array, jax.Array]:
     """Per matrix, ``E`` with ``max |a| < 2**E`` and the same for ``b``."""
     ea = binary_exponent(jnp.max(jnp.abs(a), axis=(-2, -1), keepdims=True, initial=0.0))
     eb = binary_exponent(jnp.max(jnp.abs(b), axis=(-2, -1), keepdims=True, initial=0.0))
@@ -466,7 +469,24 @@ def _random_factor(key, shape, epsilon):
     return _gram_schmidt(jax.random.normal(key, shape, jnp.float32), epsilon)
 
 
-def powersgd(factor, *, side: str = "right", view: str = "last") -> Compressor:
+@dataclasses.dataclass(frozen=True, eq=False, repr=False, kw_only=True)
+class PowerSGDCompressor(Compressor):
+    """What `powersgd` returns: a `Compressor` whose settings are typed fields.
+
+    Attributes:
+      factor: the shared factor given to `powersgd` (compared by identity).
+      side: ``"right"`` (``factor = Q``) or ``"left"`` (``factor = P``).
+      view: the matrix view, ``"last"`` or ``"first"``.
+    """
+
+    factor: Any
+    side: str
+    view: str
+
+    setting_names: ClassVar[tuple[str, ...]] = ("factor", "side", "view")
+
+
+def powersgd(factor, *, side: str = "right", view: str = "last") -> PowerSGDCompressor:
     """One half of a PowerSGD step as a linear compressor with a shared factor.
 
     The input ``x`` is viewed as ``M`` of shape ``(n, m)``
@@ -494,7 +514,7 @@ def powersgd(factor, *, side: str = "right", view: str = "last") -> Compressor:
         Encode and decode use it; the factor must be built for the same view.
 
     Returns:
-      A `Compressor` with ``linear=True`` and ``stochastic=False``. Its
+      A `PowerSGDCompressor` with ``linear=True`` and ``stochastic=False``. Its
       settings ``factor``, ``side`` and ``view`` read as attributes;
       ``factor`` compares by identity (see `Compressor`), so compressors
       built from one factor array are equal and a new factor makes a new
@@ -518,26 +538,33 @@ def powersgd(factor, *, side: str = "right", view: str = "last") -> Compressor:
         raise ValueError(f"factor must be a (rows, rank) array with rank >= 1, got shape "
                          f"{getattr(factor, 'shape', None)}")
     f = jnp.asarray(factor, jnp.float32)
-    length, rank = int(f.shape[0]), int(f.shape[1])
+    name = f"powersgd/{side}/{view}/{int(f.shape[0])}x{int(f.shape[1])}"
+    static = {"name": name, "f": f, "side": side}
+    return PowerSGDCompressor(name, functools.partial(_encode, view=view, **static),
+                              functools.partial(_decode, **static), linear=True,
+                              stochastic=False, factor=factor, side=side, view=view)
+
+
+def _encode(x, key=None, *, name: str, f, side: str, view: str) -> Payload:
+    """``{"p": M Q}`` (right) or ``{"q": M^T P}`` (left) of ``x``'s matrix view."""
+    x = jnp.asarray(x)
+    check_floating_input(x)
+    mat = powersgd_matrix(x, view=view)
     axis = 1 if side == "right" else 0
-    leaf = "p" if side == "right" else "q"
-    name = f"powersgd/{side}/{view}/{length}x{rank}"
+    length = int(f.shape[0])
+    if mat.shape[axis] != length:
+        raise ValueError(f"x has matrix view {mat.shape}; factor {f.shape} needs "
+                         f"{length} {'columns' if axis else 'rows'}")
+    if side == "right":
+        return Payload({"p": powersgd_p(mat, f)}, tuple(x.shape), x.dtype, name)
+    return Payload({"q": powersgd_q(mat, f)}, tuple(x.shape), x.dtype, name)
 
-    def encode(x, key=None):
-        x = jnp.asarray(x)
-        check_floating_input(x)
-        mat = powersgd_matrix(x, view=view)
-        if mat.shape[axis] != length:
-            raise ValueError(f"x has matrix view {mat.shape}; factor {f.shape} needs "
-                             f"{length} {'columns' if axis else 'rows'}")
-        code = powersgd_p(mat, f) if side == "right" else powersgd_q(mat, f)
-        return Payload({leaf: code}, tuple(x.shape), x.dtype, name)
 
-    def decode(payload):
-        check_format(payload, name)
-        code = payload[leaf]
-        mat = powersgd_reconstruct(code, f) if side == "right" else powersgd_reconstruct(f, code)
-        return mat.reshape(payload.shape).astype(payload.dtype)
-
-    return Compressor(name, encode, decode, linear=True, stochastic=False,
-                      settings=settings(factor=factor, side=side, view=view))
+def _decode(payload, *, name: str, f, side: str):
+    """``P Q^T`` reshaped to the payload's shape."""
+    check_format(payload, name)
+    if side == "right":
+        mat = powersgd_reconstruct(payload["p"], f)
+    else:
+        mat = powersgd_reconstruct(f, payload["q"])
+    return mat.reshape(payload.shape).astype(payload.dtype)

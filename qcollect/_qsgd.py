@@ -7,22 +7,45 @@ section 2.3 (eq. 1) and section 3.2.2 (bits, bucketing, norms).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from typing import Any, ClassVar
+
 import jax.numpy as jnp
 
 from qcollect._config import check_choice, check_floating_input, check_int, require_key
 from qcollect._groups import bucket_groups, flat_codes, from_view, to_view, view_codes
 from qcollect._packing import pack_bits, unpack_bits
-from qcollect._payload import Compressor, Payload, check_format, settings
+from qcollect._payload import Compressor, Payload, check_format
 from qcollect._random import hash_uniform
 
-__all__ = ["qsgd", "QSGD_BUCKET_SIZES"]
+__all__ = ["QSGDCompressor", "qsgd", "QSGD_BUCKET_SIZES"]
 
 #: Grubic et al. section 4 ("Bucket Size"): the sizes that kept full accuracy.
 QSGD_BUCKET_SIZES = {2: 128, 4: 512, 8: 512, 16: 8192}
 
 
+@dataclasses.dataclass(frozen=True, eq=False, repr=False, kw_only=True)
+class QSGDCompressor(Compressor):
+    """What `qsgd` returns: a `Compressor` whose settings are typed fields.
+
+    Attributes:
+      bits: bits per value, the sign bit included.
+      bucket_size: values per bucket, or None for one bucket per array.
+      norm: the bucket scale, ``"max"`` or ``"l2"``.
+
+    ``stochastic``, a `Compressor` field, is its fourth setting.
+    """
+
+    bits: int
+    bucket_size: int | None
+    norm: str
+
+    setting_names: ClassVar[tuple[str, ...]] = ("bits", "bucket_size", "norm", "stochastic")
+
+
 def qsgd(*, bits: int = 4, bucket_size: int | None | str = "default", norm: str = "max",
-         stochastic: bool = True) -> Compressor:
+         stochastic: bool = True) -> QSGDCompressor:
     """QSGD: a sign bit and ``bits - 1`` bits of level per value, one scale per bucket.
 
     For a bucket ``v`` with scale ``||v||`` (max-norm by default, or 2-norm),
@@ -44,6 +67,9 @@ def qsgd(*, bits: int = 4, bucket_size: int | None | str = "default", norm: str 
     elementwise passes, the hash about one third of one, and its 24-bit grid
     keeps the rounding unbiased to 2**-24 of a level.
 
+    Non-finite values make their bucket's scale non-finite, so the decoded
+    bucket is non-finite too. An all-zero bucket has scale 0 and decodes to 0.
+
     Args:
       bits: 2, 4, 8 or 16 (one sign bit plus ``bits - 1`` level bits).
       bucket_size: values per bucket; ``"default"`` picks Grubic's size for
@@ -52,8 +78,18 @@ def qsgd(*, bits: int = 4, bucket_size: int | None | str = "default", norm: str 
       norm: ``"max"`` or ``"l2"``.
       stochastic: unbiased stochastic rounding (needs a key), or nearest.
 
-    Non-finite values make their bucket's scale non-finite, so the decoded
-    bucket is non-finite too. An all-zero bucket has scale 0 and decodes to 0.
+    Returns:
+      A non-linear `QSGDCompressor`, stochastic when ``stochastic`` is.
+
+    Raises:
+      ValueError: a setting outside the values above.
+
+    References:
+      Alistarh, Grubic, Li, Tomioka, Vojnovic, "QSGD: Communication-efficient
+      SGD via gradient quantization and encoding", NIPS 2017, pp. 1707-1718;
+      Grubic et al., "Synchronous Multi-GPU Deep Learning with Low-Precision
+      Communication: An Experimental Study" (EDBT 2018), eq. (1), sections
+      3.2.2 and 4.
 
     Example:
       >>> import jax, jax.numpy as jnp, qcollect as qc
@@ -66,74 +102,97 @@ def qsgd(*, bits: int = 4, bucket_size: int | None | str = "default", norm: str 
     bits = check_choice("bits", bits, tuple(QSGD_BUCKET_SIZES))
     if isinstance(bucket_size, str):
         check_choice("bucket_size", bucket_size, ("default",))
-        bucket_size = QSGD_BUCKET_SIZES[bits]
-    bucket_size = check_int("bucket_size", bucket_size, low=1, allow_none=True)
+    size: int | None = check_int("bucket_size", QSGD_BUCKET_SIZES[bits] if isinstance(
+        bucket_size, str) else bucket_size, low=1, allow_none=True)
     norm = check_choice("norm", norm, ("max", "l2"))
     stochastic = check_choice("stochastic", stochastic, (True, False))
-    levels = 2 ** (bits - 1) - 1
-    sign_bit = 1 << (bits - 1)
-    name = f"qsgd/b{bits}/{bucket_size or 'whole'}/{norm}" + ("" if stochastic else "/nearest")
-
-    def encoded(x, key):
-        """(payload, each value's signed level, as float32 in the group view)."""
-        x = jnp.asarray(x)
-        check_floating_input(x)
-        if stochastic:
-            require_key(key, "qsgd(stochastic=True)")
-        groups = bucket_groups(x.shape, bucket_size)
-        view = to_view(x, groups)
-        # max(max v, -min v) rather than max |v|: a shared |v| would be
-        # materialised by XLA:CPU between the reduction and the packing.
-        scale = jnp.maximum(jnp.max(view, axis=1, initial=0.0),
-                            -jnp.min(view, axis=1, initial=0.0))
-        if norm == "l2":
-            # Squares of values over 2**64 overflow: sum them divided by a
-            # power of two at least max |v| (exact), and keep a 2-norm beyond
-            # the float32 range at the float32 maximum (levels stay <= s).
-            c = jnp.ldexp(jnp.float32(1.0), -jnp.frexp(scale)[1])
-            c = jnp.where(jnp.isfinite(c) & (c > 0), c, 1.0)[:, None]
-            norm2 = jnp.sqrt(jnp.sum((view * c) * (view * c), axis=1)) / c[:, 0]
-            scale = jnp.minimum(norm2, jnp.finfo(jnp.float32).max)
-        # XLA:CPU's vectorised max reduction can drop a NaN (seen on
-        # 8192-wide rows); a sum always propagates NaN and Inf.
-        scale = scale + jnp.sum(view - view, axis=1)
-        inv = jnp.where(scale > 0, levels / scale, 0.0)
-        level = jnp.abs(view) * inv[:, None]
-        if stochastic:
-            level = level + hash_uniform(key, view.shape)
-        else:
-            level = level + 0.5
-        level = jnp.minimum(jnp.floor(level), levels).astype(jnp.uint32)
-        negative = view < 0
-        codes = jnp.where(negative, level | sign_bit, level)
-        words = pack_bits(flat_codes(codes, groups), bits)
-        payload = Payload({"codes": words, "scale": scale}, tuple(x.shape), x.dtype, name)
-        return payload, negative, level, groups
-
-    def reconstruct(negative, level, payload, groups):
-        """``scale * sgn * level / s`` per value, as decode computes it."""
-        step = payload["scale"][:, None] * (1.0 / levels)
-        level = level.astype(jnp.float32)
-        view = jnp.where(negative, -level, level) * step
-        return from_view(view, groups, payload.shape, payload.dtype)
-
-    def encode(x, key=None):
-        return encoded(x, key)[0]
-
-    def encode_decoded(x, key=None):
-        # The levels and signs come from the encoding, not from unpacking its words.
-        payload, negative, level, groups = encoded(x, key)
-        return payload, reconstruct(negative, level, payload, groups)
-
-    def decode(payload):
-        check_format(payload, name)
-        groups = bucket_groups(payload.shape, bucket_size)
-        codes = view_codes(unpack_bits(payload["codes"], bits, groups.size), groups)
-        return reconstruct(codes >= sign_bit, codes & (sign_bit - 1), payload, groups)
-
+    name = f"qsgd/b{bits}/{size or 'whole'}/{norm}" + ("" if stochastic else "/nearest")
+    static: dict[str, Any] = {"name": name, "bits": bits, "bucket_size": size}
+    coding: dict[str, Any] = dict(static, norm=norm, stochastic=stochastic)
     # Zero padding leaves a bucket's max- or 2-norm unchanged: no valid counts.
-    return Compressor(name, encode, decode, linear=False, stochastic=stochastic,
-                      block=bucket_size or 1, grouping="bucket" if bucket_size else "leaf",
-                      encode_decoded=encode_decoded,
-                      settings=settings(bits=bits, bucket_size=bucket_size, norm=norm,
-                                        stochastic=stochastic))
+    return QSGDCompressor(
+        name, functools.partial(_encode, **coding), functools.partial(_decode, **static),
+        linear=False, stochastic=stochastic, block=size or 1,
+        grouping="bucket" if size else "leaf",
+        encode_decoded=functools.partial(_encode_decoded, **coding),
+        bits=bits, bucket_size=size, norm=norm)
+
+
+def _bucket_scales(view, norm: str):
+    """``||v||`` of every bucket (row of ``view``), NaN and Inf carried."""
+    # max(max v, -min v) rather than max |v|: a shared |v| would be
+    # materialised by XLA:CPU between the reduction and the packing.
+    scale = jnp.maximum(jnp.max(view, axis=1, initial=0.0),
+                        -jnp.min(view, axis=1, initial=0.0))
+    if norm == "l2":
+        # Squares of values over 2**64 overflow: sum them divided by a
+        # power of two at least max |v| (exact), and keep a 2-norm beyond
+        # the float32 range at the float32 maximum (levels stay <= s).
+        c = jnp.ldexp(jnp.float32(1.0), -jnp.frexp(scale)[1])
+        c = jnp.where(jnp.isfinite(c) & (c > 0), c, 1.0)[:, None]
+        norm2 = jnp.sqrt(jnp.sum((view * c) * (view * c), axis=1)) / c[:, 0]
+        scale = jnp.minimum(norm2, jnp.finfo(jnp.float32).max)
+    # XLA:CPU's vectorised max reduction can drop a NaN (seen on
+    # 8192-wide rows); a sum always propagates NaN and Inf.
+    return scale + jnp.sum(view - view, axis=1)
+
+
+def _top_level(bits: int) -> int:
+    """``s = 2**(bits-1) - 1``: the largest level of ``bits``-bit codes."""
+    return 2 ** (bits - 1) - 1
+
+
+def _rounded_levels(view, scale, key, *, bits: int, stochastic: bool):
+    """``|v_i| s / ||v||`` rounded stochastically (or to nearest) into ``{0..s}``."""
+    levels = _top_level(bits)
+    inv = jnp.where(scale > 0, levels / scale, 0.0)
+    level = jnp.abs(view) * inv[:, None]
+    if stochastic:
+        level = level + hash_uniform(key, view.shape)
+    else:
+        level = level + 0.5
+    return jnp.minimum(jnp.floor(level), levels).astype(jnp.uint32)
+
+
+def _encoded(x, key, *, name: str, bits: int, bucket_size: int | None, norm: str,
+             stochastic: bool):
+    """(payload, each value's sign and level in the group view, the groups)."""
+    x = jnp.asarray(x)
+    check_floating_input(x)
+    if stochastic:
+        require_key(key, "qsgd(stochastic=True)")
+    groups = bucket_groups(x.shape, bucket_size)
+    view = to_view(x, groups)
+    scale = _bucket_scales(view, norm)
+    level = _rounded_levels(view, scale, key, bits=bits, stochastic=stochastic)
+    negative = view < 0
+    codes = jnp.where(negative, level | (1 << (bits - 1)), level)
+    words = pack_bits(flat_codes(codes, groups), bits)
+    payload = Payload({"codes": words, "scale": scale}, tuple(x.shape), x.dtype, name)
+    return payload, negative, level, groups
+
+
+def _reconstruct(negative, level, payload, groups, bits: int):
+    """``scale * sgn * level / s`` per value, as decode computes it."""
+    step = payload["scale"][:, None] * (1.0 / _top_level(bits))
+    level = level.astype(jnp.float32)
+    view = jnp.where(negative, -level, level) * step
+    return from_view(view, groups, payload.shape, payload.dtype)
+
+
+def _encode(x, key=None, **static) -> Payload:
+    return _encoded(x, key, **static)[0]
+
+
+def _encode_decoded(x, key=None, *, bits: int, **static):
+    # The levels and signs come from the encoding, not from unpacking its words.
+    payload, negative, level, groups = _encoded(x, key, bits=bits, **static)
+    return payload, _reconstruct(negative, level, payload, groups, bits)
+
+
+def _decode(payload, *, name: str, bits: int, bucket_size: int | None):
+    check_format(payload, name)
+    groups = bucket_groups(payload.shape, bucket_size)
+    sign_bit = 1 << (bits - 1)
+    codes = view_codes(unpack_bits(payload["codes"], bits, groups.size), groups)
+    return _reconstruct(codes >= sign_bit, codes & (sign_bit - 1), payload, groups, bits)

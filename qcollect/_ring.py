@@ -27,13 +27,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from qcollect import _backend
 from qcollect._buckets import UNROLL_BUCKETS, check_unroll, reduce_buckets
 from qcollect._layout import BUCKET_BYTES, plan_segments
 from qcollect._messages import send_packed
+from qcollect._result import AllReduceResult
 from qcollect._vma import cast_varying
 
 __all__ = [
     "all_gather_invariant",
+    "permute",
     "ring_all_gather",
     "ring_all_reduce",
     "ring_bytes_per_device",
@@ -45,40 +48,6 @@ def _ring_size(axis_name) -> int:
     return int(lax.axis_size(axis_name))
 
 
-_NARROW_FLOATS = {jnp.dtype(jnp.bfloat16): jnp.uint16, jnp.dtype(jnp.float16): jnp.uint16}
-
-
-#: Pieces of a swap between two processes on the CPU backend (see `permute`).
-SWAP_PIECE_BYTES = 1 << 18
-
-
-def _has_swap(perm) -> bool:
-    pairs = {(src, dst) for src, dst in perm if src != dst}
-    return any((dst, src) in pairs for src, dst in pairs)
-
-
-def _split_swaps(perm) -> bool:
-    """Whether large swaps go in pieces: several processes on the CPU backend.
-
-    Gloo moves one large swap at well under the link rate, as if the two
-    directions took turns (``python -m qcollect.bench network --nproc 2
-    --swap-probe`` over 1 Gbit/s links: see README); in 256 KiB pieces it
-    keeps up with ``psum``. A ring of three or more devices has no swap.
-    """
-    return jax.process_count() > 1 and jax.default_backend() == "cpu" and _has_swap(perm)
-
-
-def _ppermute(leaf, axis_name, perm, pieces: bool):
-    nbytes = leaf.size * jnp.dtype(leaf.dtype).itemsize
-    if not pieces or nbytes <= SWAP_PIECE_BYTES:
-        return lax.ppermute(leaf, axis_name, perm)
-    count = -(-nbytes // SWAP_PIECE_BYTES)
-    flat = leaf.reshape(-1)
-    bounds = [flat.size * i // count for i in range(count + 1)]
-    moved = [lax.ppermute(flat[bounds[i]:bounds[i + 1]], axis_name, perm) for i in range(count)]
-    return jnp.concatenate(moved).reshape(leaf.shape)
-
-
 def permute(x, axis_name, perm):
     """`lax.ppermute` of a pytree as one message, 16-bit floats as 16-bit words.
 
@@ -87,16 +56,37 @@ def permute(x, axis_name, perm):
     bfloat16/float16 collective-permutes to float32, which would double
     their wire bytes; a bit-identical uint16 view travels as is. Across
     processes on the CPU backend, a permutation in which two devices send
-    to each other moves buffers over 256 KiB in 256 KiB pieces (see
-    `_split_swaps`); the bytes on the wire are the same.
+    to each other moves buffers over 256 KiB in 256 KiB pieces
+    (`qcollect._backend`, entries 1 and 2); the bytes on the wire are the same.
+
+    Args:
+      x: a pytree of arrays (any dtypes and shapes).
+      axis_name: the mapped axis (``shard_map`` or ``pmap``).
+      perm: ``(source, destination)`` pairs of axis indices, as for
+        `lax.ppermute`; a device that is no destination receives zeros.
+
+    Returns:
+      ``x``'s tree, each leaf as `lax.ppermute` would return it.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, qcollect as qc
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((2,), ("d",))
+      >>> swap = jax.shard_map(lambda t: qc.permute(t, "d", [(0, 1), (1, 0)]), mesh=mesh,
+      ...                      in_specs=P("d"), out_specs=P("d"))
+      >>> tree = {"w": jnp.arange(4.0), "b": jnp.array([1, 2], jnp.bfloat16)}
+      >>> out = swap(jax.device_put(tree, NamedSharding(mesh, P("d"))))
+      >>> out["w"].tolist(), out["b"].tolist()
+      ([2.0, 3.0, 0.0, 1.0], [2.0, 1.0])
     """
-    pieces = _split_swaps(perm)
+    pieces = _backend.split_swaps(perm)
 
     def send(leaf):
-        word = _NARROW_FLOATS.get(jnp.dtype(leaf.dtype))
+        word = _backend.narrow_word(leaf.dtype)
         if word is None:
-            return _ppermute(leaf, axis_name, perm, pieces)
-        moved = _ppermute(lax.bitcast_convert_type(leaf, word), axis_name, perm, pieces)
+            return _backend.ppermute_in_pieces(leaf, axis_name, perm, pieces)
+        moved = _backend.ppermute_in_pieces(lax.bitcast_convert_type(leaf, word), axis_name,
+                                            perm, pieces)
         return lax.bitcast_convert_type(moved, leaf.dtype)
 
     leaves, treedef = jax.tree.flatten(x)
@@ -125,12 +115,22 @@ def all_gather_invariant(x: jax.Array, axis_name) -> jax.Array:
     the type system knows the result is the same everywhere, so it can leave
     ``shard_map`` with ``out_specs=P()``. Each device sends its block to the
     ``N - 1`` others, the bytes of a ring all-gather. 16-bit floats travel as
-    their uint16 words (XLA:CPU widens 16-bit float collectives to float32).
+    their uint16 words (XLA:CPU widens bfloat16 collectives to float32:
+    `qcollect._backend`, entry 1).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, qcollect as qc
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((2,), ("d",))
+      >>> gather = jax.shard_map(lambda v: qc.all_gather_invariant(v, "d"), mesh=mesh,
+      ...                        in_specs=P("d"), out_specs=P())
+      >>> gather(jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P("d")))).tolist()
+      [0.0, 1.0, 2.0, 3.0]
     """
     x = jnp.asarray(x)
     if x.ndim == 0:
         raise ValueError("all_gather_invariant needs x with a leading axis, got a scalar")
-    word = _NARROW_FLOATS.get(jnp.dtype(x.dtype))
+    word = _backend.narrow_word(x.dtype)
     if word is not None:
         words = all_gather_invariant(lax.bitcast_convert_type(x, word), axis_name)
         return lax.bitcast_convert_type(words, x.dtype)
@@ -203,7 +203,7 @@ def ring_all_gather(x: jax.Array, axis_name) -> jax.Array:
     n = _ring_size(axis_name)
     if n == 1:
         return x
-    word = _NARROW_FLOATS.get(jnp.dtype(x.dtype))
+    word = _backend.narrow_word(x.dtype)
     if word is not None:
         # Gather 16-bit words: a float view converted after each hop would be
         # fused into the buffer update, which then rewrites the whole buffer.
@@ -265,17 +265,18 @@ def ring_all_reduce(x, axis_name, *, bucket_bytes: int | None = BUCKET_BYTES,
     n = _ring_size(axis_name)
     unroll_buckets = check_unroll(unroll_buckets)
 
-    def reduce_bucket(chunks, valid, residual, key, layout):
+    def reduce_bucket(chunks, valid, residual, *, key, layout):
         del valid, residual, key, layout
         summed = all_gather_invariant(ring_reduce_scatter(chunks.reshape(-1), axis_name),
                                       axis_name)
-        return summed.reshape(chunks.shape), None, None
+        return AllReduceResult(summed.reshape(chunks.shape), None, None)
 
     # Equal buckets run as one batch, as in `compressed_all_reduce`.
     segments = plan_segments(leaves, n=n, bucket_bytes=bucket_bytes)
-    reduced = reduce_buckets(segments, leaves, None, None, False, reduce_bucket, unroll_buckets)
-    for seg, (value, _, _) in zip(segments, reduced, strict=True):
-        sums = (seg.unbucketed(value) if seg.length else
+    reduced = reduce_buckets(segments, leaves, None, key=None, masks_padding=False,
+                             reduce_bucket=reduce_bucket, unroll=unroll_buckets)
+    for seg, result in zip(segments, reduced, strict=True):
+        sums = (seg.unbucketed(result.value) if seg.length else
                 [jnp.zeros(leaves[m].shape, leaves[m].dtype) for m in seg.members])
         for m, leaf in zip(seg.members, sums, strict=True):
             out[m] = leaf

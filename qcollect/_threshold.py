@@ -7,13 +7,16 @@ using commodity GPU cloud computing").
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+from typing import Any, ClassVar
 
 import jax.numpy as jnp
 
 from qcollect._config import check_float, check_floating_input
 from qcollect._golomb import check_coding, decode_entries, encode_entries
-from qcollect._payload import Compressor, Payload, check_format, settings
+from qcollect._payload import Compressor, Payload, check_format
 from qcollect._sparse import (
     check_capacity,
     check_size,
@@ -25,11 +28,30 @@ from qcollect._sparse import (
     scatter_decode,
 )
 
-__all__ = ["threshold"]
+__all__ = ["ThresholdCompressor", "threshold"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False, kw_only=True)
+class ThresholdCompressor(Compressor):
+    """What `threshold` returns: a `Compressor` whose settings are typed fields.
+
+    Attributes:
+      tau: the threshold.
+      capacity: slots per payload, a count (int) or a fraction of the size.
+      coding: ``"words"`` or ``"golomb_rice"``.
+      rice_k: the Rice parameter, None for the automatic one.
+    """
+
+    tau: float
+    capacity: int | float
+    coding: str
+    rice_k: int | None
+
+    setting_names: ClassVar[tuple[str, ...]] = ("tau", "capacity", "coding", "rice_k")
 
 
 def threshold(tau: float, *, capacity: int | float = 1 / 32, coding: str = "words",
-              rice_k: int | None = None) -> Compressor:
+              rice_k: int | None = None) -> ThresholdCompressor:
     """Threshold quantization: entries with ``|v| > tau`` travel as ``+-tau``.
 
     Values ``v > tau`` are sent with sign bit 1 and decode to ``+tau``,
@@ -77,11 +99,17 @@ def threshold(tau: float, *, capacity: int | float = 1 / 32, coding: str = "word
         ``log2(ln 2 * n / c)``, see `qcollect._golomb.rice_parameter`).
 
     Returns:
-      A deterministic, non-linear `Compressor`. Arrays of more than
+      A deterministic, non-linear `ThresholdCompressor`. Arrays of more than
       ``2**31 - 1`` entries raise ValueError (31 index bits).
 
+    Raises:
+      ValueError: a setting outside the values above.
+
     References:
-      Dryden et al., section 3.2; Rice and Plaunt (1971) for the code.
+      Strom, "Scalable distributed DNN training using commodity GPU cloud
+      computing", INTERSPEECH 2015; Dryden et al., "Communication
+      Quantization for Data-parallel Training of Deep Neural Networks"
+      (MLHPC 2016), section 3.2; Rice and Plaunt (1971) for the code.
 
     Example:
       >>> import jax.numpy as jnp, qcollect as qc
@@ -95,30 +123,38 @@ def threshold(tau: float, *, capacity: int | float = 1 / 32, coding: str = "word
     name = f"threshold/{tau!r}/cap{capacity!r}/{coding}"
     name += "" if coding == "words" else f"/k{'auto' if rice_k is None else rice_k}"
 
-    def encode(x, key=None):
-        x = jnp.asarray(x)
-        check_floating_input(x)
-        check_size(x.size)
-        cap = resolve_capacity(capacity, x.size)
-        flat = jnp.ravel(x).astype(jnp.float32)
-        idx, count = compact_largest(
-            lambda: jnp.where(jnp.abs(flat) > tau, magnitude_keys(flat), 0), x.size, cap)
-        positive = jnp.take(flat, idx, mode="clip") > 0 if cap else jnp.zeros((0,), bool)
-        arrays = encode_entries(coding, idx, count, positive, x.size, rice_k)
-        arrays["header"] = header(count, flat)
-        return Payload(arrays, tuple(x.shape), x.dtype, name)
+    static: dict[str, Any] = {"name": name, "tau": tau, "capacity": capacity, "coding": coding,
+              "rice_k": rice_k}
+    return ThresholdCompressor(
+        name, functools.partial(_encode, **static), functools.partial(_decode, **static),
+        linear=False, stochastic=False, tau=tau, capacity=capacity, coding=coding,
+        rice_k=rice_k)
 
-    def decode(payload):
-        check_format(payload, name)
-        size = math.prod(payload.shape)
-        cap = resolve_capacity(capacity, size)
-        count = header_count(payload["header"])
-        idx, positive = decode_entries(coding, payload.arrays, count, size, cap, rice_k)
-        values = jnp.where(positive, jnp.float32(tau), jnp.float32(-tau))
-        flat = scatter_decode(payload["header"], size, idx, values)
-        return flat.reshape(payload.shape).astype(payload.dtype)
 
-    return Compressor(name, encode, decode, linear=False, stochastic=False,
-                      settings=settings(tau=tau, capacity=capacity, coding=coding,
-                                        rice_k=rice_k))
+def _encode(x, key=None, *, name: str, tau: float, capacity: int | float, coding: str,
+            rice_k: int | None) -> Payload:
+    """The entries with ``|v| > tau`` (the largest ``capacity`` of them)."""
+    x = jnp.asarray(x)
+    check_floating_input(x)
+    check_size(x.size)
+    cap = resolve_capacity(capacity, x.size)
+    flat = jnp.ravel(x).astype(jnp.float32)
+    idx, count = compact_largest(
+        lambda: jnp.where(jnp.abs(flat) > tau, magnitude_keys(flat), 0), x.size, cap)
+    positive = jnp.take(flat, idx, mode="clip") > 0 if cap else jnp.zeros((0,), bool)
+    arrays = encode_entries(coding, idx, count, positive, x.size, rice_k)
+    arrays["header"] = header(count, flat)
+    return Payload(arrays, tuple(x.shape), x.dtype, name)
 
+
+def _decode(payload, *, name: str, tau: float, capacity: int | float, coding: str,
+            rice_k: int | None):
+    """``+-tau`` at the sent entries, 0 elsewhere (all NaN for non-finite input)."""
+    check_format(payload, name)
+    size = math.prod(payload.shape)
+    cap = resolve_capacity(capacity, size)
+    count = header_count(payload["header"])
+    idx, positive = decode_entries(coding, payload.arrays, count, size, cap, rice_k)
+    values = jnp.where(positive, jnp.float32(tau), jnp.float32(-tau))
+    flat = scatter_decode(payload["header"], size, idx, values)
+    return flat.reshape(payload.shape).astype(payload.dtype)

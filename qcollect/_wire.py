@@ -150,6 +150,14 @@ def _permute_factor(line: str) -> float:
     return moving / len(devices) if devices else 0.0
 
 
+def _attribute(pattern: str, line: str) -> str:
+    """The first group of ``pattern`` that matched in the HLO ``line``."""
+    m = re.search(pattern, line)
+    if m is None:
+        raise ValueError(f"cannot read {pattern!r} from the HLO line {line[:200]!r}")
+    return next(g for g in m.groups() if g is not None)
+
+
 def _parse(hlo: str):
     header = hlo.split("\n", 1)[0]
     m = re.search(r"num_partitions=(\d+)", header)
@@ -157,7 +165,7 @@ def _parse(hlo: str):
     m = re.search(r"replica_count=(\d+)", header)
     default_group = max(partitions, int(m.group(1)) if m else 1)
     shapes: dict[str, str] = {}
-    comps: dict[str, list[str]] = {}
+    comps: dict[str, list[tuple[str, str, str, str]]] = {}
     entry, current = None, None
     for line in hlo.splitlines():
         h = _HEADER.match(line)
@@ -244,8 +252,8 @@ def report_from_hlo(hlo: str, branches: str = "max") -> list[WireOp]:
                 ops.append(WireOp(base, comp, operand, n, operand * factor, multiplicity,
                                   _device_groups(line), len(names)))
             if opname == "while":
-                body = re.search(r"body=%([\w.\-]+)", line).group(1)
-                condition = re.search(r"condition=%([\w.\-]+)", line).group(1)
+                body = _attribute(r"body=%([\w.\-]+)", line)
+                condition = _attribute(r"condition=%([\w.\-]+)", line)
                 if not (holds(body) or holds(condition)):
                     continue  # sends nothing, however many times it runs
                 trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
@@ -257,9 +265,9 @@ def report_from_hlo(hlo: str, branches: str = "max") -> list[WireOp]:
                 visit(body, multiplicity * trips, seen + (comp,))
                 visit(condition, multiplicity * (trips + 1), seen + (comp,))
             elif opname == "conditional":
-                branches = re.findall(r"%([\w.\-]+)", (re.search(
-                    r"branch_computations=\{([^}]*)\}", line) or re.search(
-                    r"(true_computation=%[\w.\-]+, false_computation=%[\w.\-]+)", line)).group(1))
+                branches = re.findall(r"%([\w.\-]+)", _attribute(
+                    r"branch_computations=\{([^}]*)\}|(true_computation=%[\w.\-]+, "
+                    r"false_computation=%[\w.\-]+)", line))
                 costs = []
                 for b in branches:
                     before = len(ops)
@@ -371,7 +379,7 @@ def wire_bytes_by_axis(fn, *args, mesh=None, branches: str = "max", **kwargs) ->
         if sent == 0:
             continue
         groups = op.devices
-        if op.op == "collective-permute":
+        if op.op == "collective-permute" and groups is not None:
             groups = tuple(pair for pair in groups if pair[0] != pair[1])
         axes = everything if groups is None else _axes_of(groups, mesh)
         key = axes[0] if len(axes) == 1 else axes

@@ -62,14 +62,14 @@ def global_array(mesh, full, spec=None):
 def _in_small_pieces(run) -> dict:
     """``run()`` traced with 256-byte swap pieces, so that the pieces of a swap
     between processes (qcollect._ring.permute) are exercised, unevenly split."""
-    from qcollect import _ring
+    from qcollect import _backend
 
-    saved = _ring.SWAP_PIECE_BYTES
-    _ring.SWAP_PIECE_BYTES = 256
+    saved = _backend.SWAP_PIECE_BYTES
+    _backend.SWAP_PIECE_BYTES = 256
     try:
         return run()
     finally:
-        _ring.SWAP_PIECE_BYTES = saved
+        _backend.SWAP_PIECE_BYTES = saved
 
 
 def compute(mesh) -> dict:

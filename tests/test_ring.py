@@ -124,24 +124,24 @@ def test_scalar_input_is_rejected():
     ([(0, 0), (1, 1)], False),                   # sending to oneself moves nothing
 ])
 def test_swaps_are_found(perm, swap):
-    from qcollect._ring import _has_swap
+    from qcollect._backend import has_swap
 
-    assert _has_swap(perm) is swap
+    assert has_swap(perm) is swap
 
 
 def test_one_process_never_splits_swaps():
-    from qcollect._ring import _split_swaps
+    from qcollect._backend import split_swaps
 
-    assert jax.process_count() == 1 and not _split_swaps([(0, 1), (1, 0)])
+    assert jax.process_count() == 1 and not split_swaps([(0, 1), (1, 0)])
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int8])
 @pytest.mark.parametrize("length", [1, 7, 101])  # empty leaves go whole; 101: ragged last piece
 def test_swaps_in_pieces_move_what_one_ppermute_moves(monkeypatch, dtype, length):
-    from qcollect import _ring
+    from qcollect import _backend, _ring
 
-    monkeypatch.setattr(_ring, "SWAP_PIECE_BYTES", 16)
-    monkeypatch.setattr(_ring, "_split_swaps", lambda perm: True)
+    monkeypatch.setattr(_backend, "SWAP_PIECE_BYTES", 16)
+    monkeypatch.setattr(_backend, "split_swaps", lambda perm: True)
     n = 4
     perm = [(i, (i + 2) % n) for i in range(n)]
     x = (jnp.arange(n * length).reshape(n, length) % 97).astype(dtype)

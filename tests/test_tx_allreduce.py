@@ -283,6 +283,15 @@ def test_bad_config():
             _tx(qc.identity(), key=jax.random.key(0), pipeline=bad)
 
 
+def test_numpy_integers_are_settings_like_ints():
+    params = {"w": jnp.zeros((8, 8)), "b": jnp.zeros(8)}
+    tx = _tx(qc.identity(), key=jax.random.key(0), min_size=np.int64(16),
+             bucket_bytes=np.int64(1 << 20), pipeline=np.int64(2))
+    state = tx.init(params)
+    assert state.residual["w"].shape == (8, 8)
+    assert isinstance(state.residual["b"], optax.MaskedNode)
+
+
 def test_pipeline_pieces_keep_the_update_and_residuals():
     """pipeline=3 cuts the collectives, not the update: the same parameters and
     residuals as pipeline=1 after a few steps (deterministic QSGD in buckets of 4,

@@ -92,6 +92,12 @@ def test_validation():
         tx.update({"w": jnp.ones(3)}, tx.init({"w": jnp.ones(3)}))
 
 
+def test_numpy_integers_are_settings_like_ints():
+    tx = transforms.compressed_model_averaging("d", every_k=np.int64(2), key=jax.random.key(0),
+                                               min_size=np.int64(16))
+    assert int(tx.init({"w": jnp.ones(3)}).count) == 0
+
+
 K = 3  # every_k of the shared steps: steps 0 and 1 local, step 2 averages
 
 

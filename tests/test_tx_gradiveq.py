@@ -21,7 +21,7 @@ from tests.helpers import (
     sharded_update,
     stacked,
 )
-from transforms._gradiveq import _aggregate_pca, _aggregate_sampled
+from transforms._gradiveq import Schedule, _aggregate_pca, _aggregate_sampled
 
 N = 8
 K = 10
@@ -358,6 +358,34 @@ def test_invalid_settings_name_the_argument(kw, name):
     settings.update(kw)
     with pytest.raises(ValueError, match=name):
         transforms.gradiveq("d", **settings)
+
+
+def test_numpy_integers_are_settings_like_ints():
+    settings = dict(slice_size=8, rank=2, warmup_steps=1, sample_steps=3, compressed_steps=4,
+                    sample_slices=2, min_size=16)
+    params = {"w": jnp.zeros((16, 8)), "b": jnp.zeros(8)}
+    python = transforms.gradiveq("d", key=jax.random.key(0), **settings).init(params)
+    numpy = transforms.gradiveq("d", key=jax.random.key(0),
+                                **{k: np.int64(v) for k, v in settings.items()}).init(params)
+    assert jax.tree.map(jnp.shape, numpy) == jax.tree.map(jnp.shape, python)
+    assert int(numpy.cycle_start) == 1
+
+
+def test_schedule_phases():
+    """Warm-up, then cycles of L_t sampling and L_c compressed steps: the fit
+    after the last sampling step, the cycle's end at the last compressed one."""
+    schedule = Schedule(warmup_steps=2, sample_steps=2, compressed_steps=3)
+    phases = [schedule.phase(jnp.int32(t), jnp.int32(2)) for t in range(10)]
+    kinds = ["sample" if p.sampling else "compress" if p.compressing else "warm-up"
+             for p in phases]
+    assert kinds == ["warm-up"] * 2 + ["sample"] * 2 + ["compress"] * 3 + ["sample"] * 2 + [
+        "compress"]
+    assert [int(p.slot) for p in phases if p.sampling] == [0, 1, 0, 1]
+    assert [t for t, p in enumerate(phases) if p.fits] == [3, 8]
+    assert [t for t, p in enumerate(phases) if p.ends] == [6]
+    # A cycle that starts early (stop-early vote at step 4) samples from step 5.
+    assert [bool(schedule.phase(jnp.int32(t), jnp.int32(5)).sampling) for t in (4, 5, 6, 7)] == [
+        False, True, True, False]
 
 
 @pytest.mark.parametrize("kwargs, shapes, match", [

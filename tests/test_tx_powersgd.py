@@ -400,6 +400,16 @@ def test_invalid_settings_raise(kwargs):
         transforms.powersgd("d", key=jax.random.key(0), **kwargs)
 
 
+def test_numpy_numbers_are_settings_like_python_ones():
+    python = transforms.powersgd("d", rank=2, key=jax.random.key(0), start_iter=3,
+                                 min_compression_rate=2)
+    numpy = transforms.powersgd("d", rank=np.int64(2), key=jax.random.key(0),
+                                start_iter=np.int64(3), min_compression_rate=np.float32(2))
+    template = _template()
+    assert (jax.tree.map(jnp.shape, numpy.init(template))
+            == jax.tree.map(jnp.shape, python.init(template)))
+
+
 @pytest.mark.parametrize("kwargs, shapes, match", [
     ({}, {**SHAPES, "z": (4,)}, r"not the one init saw.*\['z'\]"),         # extra leaf
     ({}, {"a": (6, 10), "k": (3, 2, 2, 5)}, r"not the one init saw.*\['c'\]"),  # missing leaf

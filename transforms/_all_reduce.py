@@ -1,9 +1,38 @@
 """`compressed_all_reduce`: an optax transformation that all-reduces gradients
 through a qcollect compressor, with error feedback.
+
+Each step, on every device: ``input = g + residual`` (float32); the
+compressed leaves are summed by `qcollect.compressed_all_reduce` (leaves
+with equal compressors ride together in segments of up to 4 MiB per dtype,
+each leaf keeping its own buckets, columns or ranges), the others by
+``qc.fused_psum``; ``residual = input - contributed``, where ``contributed``
+is what this device's own encodings decode to (Seide; Grubic et al.
+Algorithm 2). With ``algorithm="pairwise"`` the owner's re-encoding error is
+kept too and added before the next re-encoding (two-level error feedback,
+like the worker and server errors of DeepSpeed's 1-bit Adam). The update is
+the mean (or sum) over devices, in the gradients' dtypes, and is invariant
+along ``axis_name``: apply it to replicated (``P()``) parameters. The
+residuals are the only per-device state (`transforms.state_specs`,
+`transforms.init_sharded`).
+
+Gradients must be this device's own: under ``shard_map``, differentiate with
+respect to ``jax.lax.pcast(params, axis_name, to="varying")`` (``jax.grad``
+with respect to replicated parameters returns gradients already summed by an
+uncompressed ``psum``; that raises ValueError).
+
+Non-finite gradients: every compressor turns NaN/Inf into non-finite output,
+so if any device's gradient is non-finite the reduced update is non-finite
+on every device. That step then leaves the residuals unchanged (they are
+never poisoned) and passes the non-finite update on; chain
+``optax.apply_if_finite(inner, ...)`` *after* this transformation to skip
+it. (Wrapping this transformation in ``apply_if_finite`` would let devices
+disagree on whether to run the collectives.)
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -12,17 +41,19 @@ import jax.numpy as jnp
 import optax
 
 import qcollect as qc
-from transforms._policy import CompressorSpec, leaf_compressors, sum_uncompressed
-from transforms._sharding import (
-    all_finite,
-    as_block,
-    check_local_gradients,
-    device_block,
-    keep_if_finite,
-    leaves_like,
+from qcollect.checks import check_choice, check_int
+from transforms._policy import (
+    CompressorSpec,
+    check_compressor,
+    group_indices,
+    leaf_compressors,
+    sum_uncompressed,
 )
+from transforms._sharding import all_finite, check_local_gradients, per_device
+from transforms._state import kept_per_device, read_per_device, zeros_or_masked
 
 
+@per_device("residual", "owner_residual")
 class CompressedAllReduceState(NamedTuple):
     """State of `compressed_all_reduce`.
 
@@ -45,11 +76,31 @@ class CompressedAllReduceState(NamedTuple):
     key: jax.Array
     count: jax.Array
 
-    per_device_fields = ("residual", "owner_residual")
 
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    """The validated static settings of one `compressed_all_reduce` transformation."""
 
-def _zeros_or_masked(leaf, keep: bool):
-    return jnp.zeros(jnp.shape(leaf), jnp.float32) if keep else optax.MaskedNode()
+    axis_name: Any
+    compressor: CompressorSpec
+    mean: bool
+    error_feedback: bool
+    algorithm: str
+    min_size: int
+    compress_if: Callable | None
+    fuse: bool
+    bucket_bytes: int | None
+    pipeline: int
+    unroll_buckets: Any
+
+    @property
+    def keeps_owner_residual(self) -> bool:
+        return self.error_feedback and self.algorithm == "pairwise"
+
+    def compressors(self, tree) -> list:
+        """Each leaf's compressor (flatten order), None for the uncompressed ones."""
+        return leaf_compressors(tree, self.compressor, min_size=self.min_size,
+                                compress_if=self.compress_if)
 
 
 def compressed_all_reduce(axis_name, *, compressor: CompressorSpec, key: jax.Array,
@@ -62,68 +113,46 @@ def compressed_all_reduce(axis_name, *, compressor: CompressorSpec, key: jax.Arr
                           ) -> optax.GradientTransformation:
     """All-reduce the gradients through ``compressor``, with error feedback.
 
-    Each step, on every device: ``input = g + residual`` (float32); the
-    compressed leaves are summed by `qcollect.compressed_all_reduce` (leaves
-    with equal compressors ride together in segments of up to 4 MiB per
-    dtype, each leaf keeping its own buckets, columns or ranges), the others
-    by ``qc.fused_psum``; ``residual = input - contributed``, where
-    ``contributed`` is what this device's own encodings decode to (Seide;
-    Grubic et al. Algorithm 2). With ``algorithm="pairwise"`` the owner's
-    re-encoding error is kept too and added before the next re-encoding
-    (two-level error feedback, like the worker and server errors of
-    DeepSpeed's 1-bit Adam). The update is the mean (or sum) over devices,
-    in the gradients' dtypes, and is invariant along ``axis_name``: apply it
-    to replicated (``P()``) parameters. The residuals are the only per-device
-    state (`transforms.state_specs`, `transforms.init_sharded`).
-
-    Gradients must be this device's own: under ``shard_map``, differentiate
-    with respect to ``jax.lax.pcast(params, axis_name, to="varying")``
-    (``jax.grad`` with respect to replicated parameters returns gradients
-    already summed by an uncompressed ``psum``; that raises ValueError).
-
-    Non-finite gradients: every compressor turns NaN/Inf into non-finite
-    output, so if any device's gradient is non-finite the reduced update is
-    non-finite on every device. That step then leaves the residuals unchanged
-    (they are never poisoned) and passes the non-finite update on; chain
-    ``optax.apply_if_finite(inner, ...)`` *after* this transformation to skip
-    it. (Wrapping this transformation in ``apply_if_finite`` would let devices
-    disagree on whether to run the collectives.)
+    Each device adds its residual to its gradient; the compressed leaves are
+    summed by `qcollect.compressed_all_reduce`, the others by ``qc.fused_psum``;
+    the residual keeps what this device's encodings lost. The update is the
+    mean (or sum) over devices, invariant along ``axis_name``. Gradients must
+    be each device's own; the module docstring has the details.
 
     Args:
       axis_name: the data-parallel axis (``shard_map`` or ``pmap``), or a
-        pair ``(outer, inner)`` of mesh axes for multi-node meshes: a
-        hierarchical all-reduce, uncompressed inside a node and compressed
-        across nodes, whose error feedback keeps what the compression across
-        nodes loses (`qcollect.compressed_all_reduce`); the residuals are
-        then ``P((outer, inner))``.
+        pair ``(outer, inner)`` of mesh axes: a hierarchical all-reduce,
+        compressed across nodes only; the residuals are ``P((outer, inner))``.
       compressor: a qcollect `Compressor`, or ``f(path, leaf) -> Compressor |
         None`` to choose per leaf (None: uncompressed). Leaves whose
         compressors are equal (same settings) are fused.
       key: PRNG key for stochastic compressors (the same on every device).
       mean: average over devices (default) rather than sum.
       error_feedback: keep residuals (default True).
-      algorithm: ``"auto"``, ``"ring"``, ``"pairwise"`` or
-        ``"ring_requantize"``; see `qcollect.compressed_all_reduce`.
+      algorithm: ``"auto"``, ``"ring"``, ``"pairwise"`` (also keeps the
+        owner's re-encoding error) or ``"ring_requantize"``.
       min_size: leaves with fewer values go uncompressed (Grubic: quantize
         >= 99% of the parameters; small biases ride along in full precision).
-      compress_if: optional predicate ``(path, leaf) -> bool``. To give
-        other leaves another transformation altogether, use
-        ``optax.partition``.
-      fuse: let leaves of one compressor share collectives (per dtype);
-        never changes a leaf's statistics.
-      bucket_bytes: cap of a fused segment (default 4 MiB); larger leaves are
-        reduced on their own. None: one buffer per compressor and dtype. See
-        `qcollect.compressed_all_reduce`.
+      compress_if: optional predicate ``(path, leaf) -> bool``; to give other
+        leaves another transformation, use ``optax.partition``.
+      fuse: let leaves of one compressor share collectives (per dtype).
+      bucket_bytes: cap of a fused segment (default 4 MiB); None: one buffer
+        per compressor and dtype.
       pipeline: pieces per device's chunk, each reduced by its own chain of
-        collectives (`qcollect.compressed_all_reduce`; 1, the default, is
-        the fastest measured on the CPU backend).
+        collectives (1, the default, is the fastest measured on CPU).
       unroll_buckets: which classes of equal buckets run as one batch
-        (default ``"auto"``: buckets of at most 4 MiB; an int ``K``: more
-        than ``K`` buckets; None: never). See `qcollect.compressed_all_reduce`
-        and `qcollect.runs_batched`.
+        (`qcollect.runs_batched`); None: never.
 
     Returns:
       An ``optax.GradientTransformation``; ``update(grads, state, params=None)``.
+
+    Raises:
+      ValueError: a setting out of its range (naming it), or invariant
+        gradients in ``update``.
+
+    References:
+      Seide et al., 1-bit SGD (error feedback); Grubic et al., Algorithm 2;
+      Dryden et al., section 3.4 (pairwise exchange).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, qcollect as qc, transforms
@@ -135,88 +164,92 @@ def compressed_all_reduce(axis_name, *, compressor: CompressorSpec, key: jax.Arr
       >>> state[0].residual["w"].shape
       (4, 4)
     """
-    if algorithm not in ("auto",) + qc.ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {('auto',) + qc.ALGORITHMS}, got {algorithm!r}")
-    if bucket_bytes is not None and (isinstance(bucket_bytes, bool)
-                                     or not isinstance(bucket_bytes, int) or bucket_bytes < 0):
-        raise ValueError(f"bucket_bytes must be None or an integer >= 0, got {bucket_bytes!r}")
+    algorithm = check_choice("algorithm", algorithm, ("auto",) + qc.ALGORITHMS)
+    bucket_bytes = check_int("bucket_bytes", bucket_bytes, low=0, allow_none=True)
     qc.runs_batched(1, 0, unroll_buckets)  # ValueError naming unroll_buckets
-    if isinstance(pipeline, bool) or not isinstance(pipeline, int) or pipeline < 1:
-        raise ValueError(f"pipeline must be an integer >= 1, got {pipeline!r}")
-    if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
-        raise ValueError(f"min_size must be an integer >= 0, got {min_size!r}")
-    if not (isinstance(compressor, qc.Compressor) or callable(compressor)):
-        raise ValueError(f"compressor must be a qcollect Compressor or a function "
-                         f"(path, leaf) -> Compressor | None, got {compressor!r}")
-    pairwise = algorithm == "pairwise"
+    settings = _Settings(
+        axis_name=axis_name, compressor=check_compressor("compressor", compressor),
+        mean=mean, error_feedback=error_feedback, algorithm=algorithm,
+        min_size=check_int("min_size", min_size, low=0), compress_if=compress_if, fuse=fuse,
+        bucket_bytes=bucket_bytes, pipeline=check_int("pipeline", pipeline),
+        unroll_buckets=unroll_buckets)
+    return optax.GradientTransformation(functools.partial(_init, key=key, settings=settings),
+                                        functools.partial(_update, settings=settings))
 
-    def plan(grads):
-        return leaf_compressors(grads, compressor, min_size=min_size, compress_if=compress_if)
 
-    def init(params):
-        comps = plan(params)
-        leaves, treedef = jax.tree.flatten(params)
-        keep = [error_feedback and c is not None for c in comps]
-        residual = treedef.unflatten([_zeros_or_masked(p, k)
-                                      for p, k in zip(leaves, keep, strict=True)])
-        owner = treedef.unflatten([_zeros_or_masked(p, k and pairwise)
-                                   for p, k in zip(leaves, keep, strict=True)])
-        return CompressedAllReduceState(residual, owner, key, jnp.zeros([], jnp.int32))
+def _init(params, *, key, settings: _Settings) -> CompressedAllReduceState:
+    leaves, treedef = jax.tree.flatten(params)
+    compressed = [c is not None for c in settings.compressors(params)]
+    return CompressedAllReduceState(
+        residual=treedef.unflatten([zeros_or_masked(leaf, c and settings.error_feedback)
+                                    for leaf, c in zip(leaves, compressed, strict=True)]),
+        owner_residual=treedef.unflatten([
+            zeros_or_masked(leaf, c and settings.keeps_owner_residual)
+            for leaf, c in zip(leaves, compressed, strict=True)]),
+        key=key,
+        count=jnp.zeros([], jnp.int32))
 
-    def update(grads, state, params=None):
-        del params
-        check_local_gradients(grads, axis_name)
-        comps = plan(grads)
-        leaves, treedef = jax.tree.flatten(grads)
-        stored = leaves_like(grads, state.residual, "error-feedback residuals")
-        stored_owner = leaves_like(grads, state.owner_residual, "owner residuals")
-        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(grads)[0]]
-        residuals = [None if isinstance(r, optax.MaskedNode)
-                     else device_block(r, g, axis_name, f"the error-feedback residual of {path}")
-                     for r, g, path in zip(stored, leaves, paths, strict=True)]
-        owners = [None if isinstance(r, optax.MaskedNode)
-                  else device_block(r, g, axis_name, f"the owner residual of {path}")
-                  for r, g, path in zip(stored_owner, leaves, paths, strict=True)]
-        step_key = jax.random.fold_in(state.key, state.count)
-        inputs = [leaf if r is None else leaf.astype(jnp.float32) + r
-                  for leaf, r in zip(leaves, residuals, strict=True)]
 
-        out = sum_uncompressed(inputs, [c is not None for c in comps], axis_name, mean=mean)
-        new_res = list(residuals)
-        new_owner = list(owners)
-        groups: dict[qc.Compressor, list[int]] = {}
-        for i, c in enumerate(comps):
-            if c is not None:
-                groups.setdefault(c, []).append(i)
-        for g, (c, members) in enumerate(groups.items()):
-            xs = [inputs[i].astype(jnp.float32) for i in members]
-            owner_in = [owners[i] for i in members] if pairwise and error_feedback else None
-            result = qc.compressed_all_reduce(
-                xs, axis_name, c, jax.random.fold_in(step_key, g), algorithm=algorithm,
-                mean=mean, fuse=fuse, bucket_bytes=bucket_bytes, pipeline=pipeline,
-                owner_residual=owner_in, unroll_buckets=unroll_buckets)
-            for j, i in enumerate(members):
-                out[i] = result.value[j]
-                if error_feedback:
-                    new_res[i] = xs[j] - result.contributed[j].astype(jnp.float32)
-                    if owner_in is not None:
-                        new_owner[i] = result.owner_error[j]
-        out = [o.astype(leaf.dtype) for o, leaf in zip(out, leaves, strict=True)]
-        # Non-finite anywhere makes the reduced update non-finite everywhere,
-        # so this flag agrees across devices without another collective.
-        finite = all_finite(out)
+def _update(grads, state: CompressedAllReduceState, params=None, *, settings: _Settings):
+    """One step: the reduced update (mean or sum over devices) and the next state."""
+    del params
+    check_local_gradients(grads, settings.axis_name)
+    comps = settings.compressors(grads)
+    leaves, treedef = jax.tree.flatten(grads)
+    stored, residuals = read_per_device(grads, state.residual, settings.axis_name,
+                                        "the error-feedback residual",
+                                        field_name="error-feedback residuals")
+    stored_owner, owners = read_per_device(grads, state.owner_residual, settings.axis_name,
+                                           "the owner residual", field_name="owner residuals")
+    inputs = [leaf if r is None else leaf.astype(jnp.float32) + r
+              for leaf, r in zip(leaves, residuals, strict=True)]
 
-        def stored_like(new, old, blocks):
-            return treedef.unflatten([
-                b if o is None else as_block(keep_if_finite(finite, n, o), b)
-                for n, o, b in zip(new, old, blocks, strict=True)])
+    out = sum_uncompressed(inputs, [c is not None for c in comps], settings.axis_name,
+                           mean=settings.mean)
+    new_residuals, new_owners = list(residuals), list(owners)
+    step_key = jax.random.fold_in(state.key, state.count)
+    for i, (value, residual, owner) in _reduce_compressed(inputs, comps, owners, step_key,
+                                                          settings).items():
+        out[i] = value
+        if residual is not None:
+            new_residuals[i] = residual
+        if owner is not None:
+            new_owners[i] = owner
+    out = [o.astype(leaf.dtype) for o, leaf in zip(out, leaves, strict=True)]
+    # Non-finite anywhere makes the reduced update non-finite everywhere,
+    # so this flag agrees across devices without another collective.
+    finite = all_finite(out)
+    return treedef.unflatten(out), CompressedAllReduceState(
+        residual=treedef.unflatten(kept_per_device(new_residuals, residuals, stored, finite)),
+        owner_residual=treedef.unflatten(kept_per_device(new_owners, owners, stored_owner,
+                                                         finite)),
+        key=state.key,
+        count=optax.safe_int32_increment(state.count),
+    )
 
-        new_state = CompressedAllReduceState(
-            residual=stored_like(new_res, residuals, stored),
-            owner_residual=stored_like(new_owner, owners, stored_owner),
-            key=state.key,
-            count=state.count + 1,
-        )
-        return treedef.unflatten(out), new_state
 
-    return optax.GradientTransformation(init, update)
+def _reduce_compressed(inputs, comps, owners, step_key, settings: _Settings) -> dict:
+    """The compressed leaves summed, one `qcollect.compressed_all_reduce` per
+    group of equal compressors (group ``g`` draws ``fold_in(step_key, g)``).
+
+    Returns:
+      ``{i: (value, residual, owner_error)}`` per compressed leaf ``i``: the
+      reduced value, ``input - contributed`` (float32; None without error
+      feedback) and the owner's re-encoding error (None unless
+      `_Settings.keeps_owner_residual`).
+    """
+    s = settings
+    reduced = {}
+    for g, (compressor, members) in enumerate(group_indices(comps).items()):
+        xs = [inputs[i].astype(jnp.float32) for i in members]
+        owner_in = [owners[i] for i in members] if s.keeps_owner_residual else None
+        result = qc.compressed_all_reduce(
+            xs, s.axis_name, compressor, jax.random.fold_in(step_key, g),
+            algorithm=s.algorithm, mean=s.mean, fuse=s.fuse, bucket_bytes=s.bucket_bytes,
+            pipeline=s.pipeline, owner_residual=owner_in, unroll_buckets=s.unroll_buckets)
+        for j, i in enumerate(members):
+            residual = (xs[j] - result.contributed[j].astype(jnp.float32)
+                        if s.error_feedback else None)
+            owner_error = result.owner_error[j] if owner_in is not None else None
+            reduced[i] = (result.value[j], residual, owner_error)
+    return reduced

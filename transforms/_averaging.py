@@ -1,5 +1,76 @@
 """`compressed_model_averaging`: local SGD whose periodic weight exchange is
 compressed (Oland and Raj exchange weights, not gradients).
+
+The data-parallel scheme of Oland and Raj (section 2): every replica trains
+on its own data with no gradient communication, and periodically the workers
+exchange their *weights*, compressed (Algorithm 1), "such that they all end
+up having the exact same averaged weights". On step ``t`` (``state.count``):
+
+* ``(t + 1) % every_k != 0``: the updates pass through unchanged; nothing is
+  communicated.
+* otherwise each replica's would-be new weights ``w = params + updates``
+  (float32) are averaged over ``axis_name`` through ``compressor`` and the
+  update becomes ``mean(decoded w) - params``, so after
+  ``optax.apply_updates`` every replica holds the compressed average. The
+  phase is a `lax.cond` on the step count, identical on all devices, with
+  the collectives inside the averaging branch, so the local steps really
+  send nothing (`qcollect.wire_bytes` counts the larger branch, i.e. the
+  averaging step).
+
+Collective: ``qc.compressed_all_reduce(..., algorithm="pairwise",
+fuse=False)``. The entropy quantizer is not linear, so payloads cannot be
+summed on a ring; an all-gather of whole payloads would quantize once but
+send ``N - 1`` payloads per device, against ``2 (N - 1) / N`` for pairwise
+exchange (each device's chunk encoded once and sent to its owner, which
+decodes, averages, re-encodes once with a new codebook -- the paper's
+"whenever a worker ... averages the weights it received with its own, and
+sends along the results, it must first adapt the quantization and encoding
+meta-data" -- and a ring all-gather of the owner's payloads). Every device
+decodes the same gathered payloads, so the averages agree bit for bit (after
+``optax.apply_updates`` the replicas agree up to the rounding of ``params +
+(avg - params)``, one float32 ulp of the weights). Each value is quantized
+twice (origin and owner): the error of the average is at most half a bin of
+the origins' chunk ranges plus half a bin of the owner's chunk range (bin
+width ``(w_max - w_min) / 2**N`` with ``N >= floor``). Every layer is
+reduced on its own (``fuse=False``; an entropy-coded leaf is never fused
+anyway, its groups being whole leaves) and every device's share of it gets
+its own ``[w_min, w_max]``, bit-width and code, as in Algorithm 1's
+per-layer loop.
+
+Static sizes (entropy): the bit-width ``N`` and Huffman stream length depend
+on the data, and one jitted step cannot change shapes. The default
+compressor therefore encodes *unplanned*: each chunk's payload carries the
+worst-case capacity, ``2**ceiling`` 4-bit code lengths and ``ceil(n_chunk *
+ceiling / 32)`` stream words, which can never overflow. A payload thus costs
+about ``ceiling`` bits per value (plus the code table per chunk) whatever
+the Huffman code needs (``c.plan``). Measured on 8 devices, 2**20 float32
+weights per device: 10.06 bits per value unplanned against 8.04 (Gaussian
+weights) or 6.35 (Laplace) planned; `qcollect.wire_bytes` of the averaging
+step 17.6 bits per parameter per device, against 56 for a float32
+``pmean``. To send less, pass a planned compressor (``compressor=lambda
+path, leaf: c.with_plan(plans[path])``, one plan per leaf sized for a chunk
+of ``ceil(leaf.size / N)`` values, with margin): a plan too small for some
+chunk sets that payload's range to NaN, and the average then turns
+non-finite (below), never silently wrong.
+
+Leaves with fewer than ``min_size`` values are averaged uncompressed
+(``lax.pmean``): each compressed chunk carries a ``2**ceiling``-entry code
+table (512 bytes at ``ceiling=10``), so below a few thousand values float32
+moves fewer bytes (Grubic et al. 3.2.2 likewise keep small matrices in full
+precision).
+
+Non-finite weights: compressors map NaN/Inf to non-finite output (a
+non-finite value makes its chunk's ``[w_min, w_max]`` non-finite), and
+``pmean`` propagates them, so a replica with non-finite weights in a leaf
+makes the average of (at least the affected chunks of) that leaf non-finite
+on *every* replica after the averaging step: it is never hidden in a finite
+average. The state holds only the count and key, so nothing in it can be
+poisoned; the count advances on every step so the schedule stays identical
+on all devices. Between averaging steps a non-finite update passes through
+to its own replica only. To skip bad steps, wrap the inner optimizer, not
+this transformation: ``optax.chain(optax.apply_if_finite(inner, k),
+compressed_model_averaging(...))`` (wrapping this one would let devices
+disagree on running the collectives).
 """
 
 from __future__ import annotations
@@ -12,7 +83,14 @@ import optax
 from jax import lax
 
 import qcollect as qc
-from transforms._policy import CompressorSpec, leaf_compressors, sum_uncompressed
+from qcollect.checks import check_int
+from transforms._policy import (
+    CompressorSpec,
+    check_compressor,
+    group_indices,
+    leaf_compressors,
+    sum_uncompressed,
+)
 from transforms._sharding import leaves_like, to_varying
 
 __all__ = ["ModelAveragingState", "compressed_model_averaging"]
@@ -36,108 +114,35 @@ def compressed_model_averaging(axis_name, *, every_k: int, key: jax.Array,
                                min_size: int = 4096) -> optax.GradientTransformation:
     """Local SGD with a compressed average of the weights every ``every_k`` steps.
 
-    The data-parallel scheme of Oland and Raj (section 2): every replica
-    trains on its own data with no gradient communication, and periodically
-    the workers exchange their *weights*, compressed (Algorithm 1), "such
-    that they all end up having the exact same averaged weights".
-
-    Use it last in a chain (it needs ``params``)::
+    Every replica trains on its own data; on every ``every_k``-th step the
+    would-be new weights ``params + updates`` are averaged over ``axis_name``
+    through ``compressor`` (pairwise exchange, each layer on its own) and the
+    update becomes ``average - params``. The module docstring has the
+    details. Use it last in a chain (it needs ``params``)::
 
         optax.chain(optax.sgd(lr), compressed_model_averaging("data", every_k=8, key=k))
 
-    On step ``t`` (``state.count``):
-
-    * ``(t + 1) % every_k != 0``: the updates pass through unchanged; nothing
-      is communicated.
-    * otherwise each replica's would-be new weights ``w = params + updates``
-      (float32) are averaged over ``axis_name`` through ``compressor`` and the
-      update becomes ``mean(decoded w) - params``, so after
-      ``optax.apply_updates`` every replica holds the compressed average.
-      The phase is a `lax.cond` on the step count, identical on all devices,
-      with the collectives inside the averaging branch, so the local steps
-      really send nothing (`qcollect.wire_bytes` counts the larger branch,
-      i.e. the averaging step).
-
-    Collective: ``qc.compressed_all_reduce(..., algorithm="pairwise",
-    fuse=False)``. The entropy quantizer is not linear, so payloads cannot be
-    summed on a ring; an all-gather of whole payloads would quantize once but
-    send ``N - 1`` payloads per device, against ``2 (N - 1) / N`` for
-    pairwise exchange (each device's chunk encoded once and sent to its
-    owner, which decodes, averages, re-encodes once with a new codebook --
-    the paper's "whenever a worker ... averages the weights it received with
-    its own, and sends along the results, it must first adapt the
-    quantization and encoding meta-data" -- and a ring all-gather of the
-    owner's payloads). Every device decodes the same gathered payloads, so
-    the averages agree bit for bit (after ``optax.apply_updates`` the
-    replicas agree up to the rounding of ``params + (avg - params)``, one
-    float32 ulp of the weights). Each value is quantized twice (origin
-    and owner): the error of the average is at most half a bin of the
-    origins' chunk ranges plus half a bin of the owner's chunk range
-    (bin width ``(w_max - w_min) / 2**N`` with ``N >= floor``). Every layer
-    is reduced on its own (``fuse=False``; an entropy-coded leaf is never
-    fused anyway, its groups being whole leaves) and every device's share of
-    it gets its own ``[w_min, w_max]``, bit-width and code, as in Algorithm
-    1's per-layer loop.
-
-    Static sizes (entropy): the bit-width ``N`` and Huffman stream length
-    depend on the data, and one jitted step cannot change shapes. The
-    default compressor therefore encodes *unplanned*: each chunk's payload
-    carries the worst-case capacity, ``2**ceiling`` 4-bit code lengths and
-    ``ceil(n_chunk * ceiling / 32)`` stream words, which can never overflow.
-    A payload thus costs about ``ceiling`` bits per value (plus the code
-    table per chunk) whatever the Huffman code needs (``c.plan``). Measured
-    on 8 devices, 2**20 float32 weights per device: 10.06 bits per value
-    unplanned against 8.04 (Gaussian weights) or 6.35 (Laplace) planned;
-    `qcollect.wire_bytes` of the averaging step 17.6 bits per parameter
-    per device, against 56 for a float32 ``pmean``. To send less, pass a
-    planned compressor (``compressor=lambda path, leaf:
-    c.with_plan(plans[path])``, one plan per leaf sized for a chunk of
-    ``ceil(leaf.size / N)`` values, with margin): a plan too small for some
-    chunk sets that payload's range to NaN, and the average then turns
-    non-finite (below), never silently wrong.
-
-    Leaves with fewer than ``min_size`` values are averaged uncompressed
-    (``lax.pmean``): each compressed chunk carries a ``2**ceiling``-entry code
-    table (512 bytes at ``ceiling=10``), so below a few thousand values
-    float32 moves fewer bytes (Grubic et al. 3.2.2 likewise keep small
-    matrices in full precision).
-
-    Non-finite weights: compressors map NaN/Inf to non-finite output (a
-    non-finite value makes its chunk's ``[w_min, w_max]`` non-finite), and
-    ``pmean`` propagates them, so a replica with non-finite weights in a
-    leaf makes the average of (at least the affected chunks of) that leaf
-    non-finite on *every* replica after the averaging step: it is never
-    hidden in a finite average. The state holds only the count and key, so
-    nothing in it can be poisoned; the count advances on every step so the
-    schedule stays identical on all devices. Between averaging steps a
-    non-finite update passes through to its own replica only. To skip bad
-    steps, wrap the inner optimizer, not this transformation:
-    ``optax.chain(optax.apply_if_finite(inner, k), compressed_model_averaging(...))``
-    (wrapping this one would let devices disagree on running the collectives).
-
     Args:
-      axis_name: the data-parallel axis (``shard_map`` or ``pmap``). Unlike
-        gradient all-reduce, the replicas' parameters (and the inner
-        optimizer's state) really differ between averages, so they are per
-        device: stacked along a leading device axis as ``jax.pmap`` code
-        does (``P(axis_name)`` under ``shard_map``, each device taking its
-        block).
-      every_k: average every ``every_k`` steps, an integer >= 1 (1: average
-        the weights after every step).
-      key: PRNG key (the same on every device) for stochastic compressors
-        (the entropy estimate samples ``F n`` values).
+      axis_name: the data-parallel axis (``shard_map`` or ``pmap``). The
+        replicas' parameters (and the inner optimizer's state) really differ
+        between averages, so they are per device: stacked along a leading
+        device axis (``P(axis_name)`` under ``shard_map``).
+      every_k: average every ``every_k`` steps, an integer >= 1.
+      key: PRNG key (the same on every device) for stochastic compressors.
       compressor: a qcollect `Compressor`, or ``f(path, leaf) -> Compressor |
-        None`` per leaf (None: uncompressed). Default ``qc.entropy()``:
-        ``F = 0.03``, ``M = 4``, ``c = 6``, ceiling 10 (the paper's sections
-        4, 5.1-5.2).
+        None`` per leaf (None: uncompressed). Default ``qc.entropy()``
+        (the paper's sections 4, 5.1-5.2), unplanned.
       min_size: leaves with fewer values are averaged uncompressed
         (``qc.fused_psum``); an integer >= 0.
 
     Returns:
-      An ``optax.GradientTransformation``; ``update(updates, state, params)``
-      raises ValueError without ``params``, or (at trace time) when
-      ``updates`` and ``params`` are not one tree, naming the first differing
-      leaf path, or a leaf's shapes differ, naming it and both shapes.
+      An ``optax.GradientTransformation``; ``update(updates, state, params)``.
+
+    Raises:
+      ValueError: a setting out of its range (naming it). ``update`` raises
+        ValueError without ``params``, or (at trace time) when ``updates``
+        and ``params`` are not one tree, naming the first differing leaf
+        path, or a leaf's shapes differ, naming it and both shapes.
 
     References:
       Oland and Raj, "Reducing Communication Overhead in Distributed Learning
@@ -154,15 +159,11 @@ def compressed_model_averaging(axis_name, *, every_k: int, key: jax.Array,
       >>> int(state[1].count)
       0
     """
-    if isinstance(every_k, bool) or not isinstance(every_k, int) or every_k < 1:
-        raise ValueError(f"every_k must be an integer >= 1, got {every_k!r}")
-    if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
-        raise ValueError(f"min_size must be an integer >= 0, got {min_size!r}")
+    every_k = check_int("every_k", every_k)
+    min_size = check_int("min_size", min_size, low=0)
+    compressor = check_compressor("compressor", compressor, allow_none=True)
     if compressor is None:
         compressor = qc.entropy()
-    if not (isinstance(compressor, qc.Compressor) or callable(compressor)):
-        raise ValueError(f"compressor must be a qcollect Compressor, a function "
-                         f"(path, leaf) -> Compressor | None, or None; got {compressor!r}")
 
     def init(params):
         del params
@@ -173,43 +174,45 @@ def compressed_model_averaging(axis_name, *, every_k: int, key: jax.Array,
             raise ValueError("compressed_model_averaging needs params: call "
                              "update(updates, state, params)")
         leaves, treedef = jax.tree.flatten(updates)
-        weights = leaves_like(updates, params, "compressed_model_averaging",
-                              against="the tree of params", where="the params",
-                              hint="Pass update the params these updates are for.")
-        for (path, u), w in zip(jax.tree_util.tree_leaves_with_path(updates), weights,
-                                strict=True):
-            if jnp.shape(u) != jnp.shape(w):
-                raise ValueError(f"the update of {jax.tree_util.keystr(path) or 'the root'} "
-                                 f"has shape {tuple(jnp.shape(u))}, but its params have shape "
-                                 f"{tuple(jnp.shape(w))}: updates and params must be one tree "
-                                 f"of equal shapes")
+        weights = _weights_of(updates, params)
         comps = leaf_compressors(params, compressor, min_size=min_size)
         step_key = jax.random.fold_in(state.key, state.count)
-
-        def average(operands):
-            ups, ws = operands
-            new = [w.astype(jnp.float32) + u.astype(jnp.float32)
-                   for u, w in zip(ups, ws, strict=True)]
-            avg = sum_uncompressed(new, [c is not None for c in comps], axis_name, mean=True)
-            groups: dict[qc.Compressor, list[int]] = {}
-            for i, c in enumerate(comps):
-                if c is not None:
-                    groups.setdefault(c, []).append(i)
-            for g, (c, members) in enumerate(groups.items()):
-                result = qc.compressed_all_reduce(
-                    [new[i] for i in members], axis_name, c, jax.random.fold_in(step_key, g),
-                    algorithm="pairwise", mean=True, fuse=False)
-                for j, i in enumerate(members):
-                    avg[i] = result.value[j].astype(jnp.float32)
-            return to_varying([(a - w.astype(jnp.float32)).astype(u.dtype)
-                               for a, w, u in zip(avg, ws, ups, strict=True)], axis_name)
-
-        def passthrough(operands):
-            return to_varying(list(operands[0]), axis_name)
-
-        averaging = (state.count + 1) % every_k == 0  # equal on every device
-        out = lax.cond(averaging, average, passthrough, (leaves, weights))
-        new_state = ModelAveragingState(count=state.count + 1, key=state.key)
-        return treedef.unflatten(out), new_state
+        next_count = optax.safe_int32_increment(state.count)
+        out = lax.cond(next_count % every_k == 0,  # equal on every device
+                       lambda ups, ws: _average(ups, ws, comps, step_key, axis_name),
+                       lambda ups, ws: to_varying(list(ups), axis_name),
+                       leaves, weights)
+        return treedef.unflatten(out), ModelAveragingState(count=next_count, key=state.key)
 
     return optax.GradientTransformation(init, update)
+
+
+def _weights_of(updates, params) -> list:
+    """The leaves of ``params`` at the leaves of ``updates``, each of its update's shape."""
+    weights = leaves_like(updates, params, "compressed_model_averaging",
+                          against="the tree of params", where="the params",
+                          hint="Pass update the params these updates are for.")
+    for (path, u), w in zip(jax.tree_util.tree_leaves_with_path(updates), weights, strict=True):
+        if jnp.shape(u) != jnp.shape(w):
+            raise ValueError(f"the update of {jax.tree_util.keystr(path) or 'the root'} "
+                             f"has shape {tuple(jnp.shape(u))}, but its params have shape "
+                             f"{tuple(jnp.shape(w))}: updates and params must be one tree "
+                             f"of equal shapes")
+    return weights
+
+
+def _average(updates, weights, comps, step_key, axis_name) -> list:
+    """``mean(w) - params`` per leaf, ``w = params + updates`` averaged over
+    ``axis_name``: through each group of equal compressors (group ``g`` draws
+    ``fold_in(step_key, g)``), exactly for the leaves without one."""
+    new = [w.astype(jnp.float32) + u.astype(jnp.float32)
+           for u, w in zip(updates, weights, strict=True)]
+    avg = sum_uncompressed(new, [c is not None for c in comps], axis_name, mean=True)
+    for g, (c, members) in enumerate(group_indices(comps).items()):
+        result = qc.compressed_all_reduce(
+            [new[i] for i in members], axis_name, c, jax.random.fold_in(step_key, g),
+            algorithm="pairwise", mean=True, fuse=False)
+        for j, i in enumerate(members):
+            avg[i] = result.value[j].astype(jnp.float32)
+    return to_varying([(a - w.astype(jnp.float32)).astype(u.dtype)
+                       for a, w, u in zip(avg, weights, updates, strict=True)], axis_name)

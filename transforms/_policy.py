@@ -2,9 +2,12 @@
 
 Grubic et al. (section 3.2.2) send small matrices in full precision, choosing
 the threshold so that more than 99% of the parameters are still quantized.
-`leaf_compressors` applies that rule (``min_size``), an optional predicate
-``compress_if(path, leaf)``, and per-leaf compressor choice (``compressor`` may
-be a function of the path and leaf).
+`leaf_choices` applies that rule (``min_size``) and an optional predicate
+``compress_if(path, leaf)``, then asks a per-leaf choice of the leaves it
+keeps: `leaf_compressors` a compressor (``compressor`` may be a function of the
+path and leaf), `transforms.gradiveq` a slice size. `group_indices` gathers
+the leaves that share a choice (a compressor, a shape), to reduce them
+together.
 """
 
 from __future__ import annotations
@@ -19,24 +22,65 @@ import qcollect as qc
 CompressorSpec = qc.Compressor | Callable[..., qc.Compressor | None]
 
 
+def leaf_choices(tree, choose: Callable, *, min_size: int = 0,
+                 compress_if: Callable | None = None) -> list:
+    """One entry per leaf of ``tree`` (in flatten order): ``choose(path, leaf)``
+    for the leaves with at least ``min_size`` values that pass ``compress_if``,
+    None (uncompressed) for the others."""
+    out: list = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        size = int(np.prod(np.shape(leaf)))
+        if size < min_size or (compress_if is not None and not compress_if(path, leaf)):
+            out.append(None)
+        else:
+            out.append(choose(path, leaf))
+    return out
+
+
 def leaf_compressors(tree, compressor: CompressorSpec, *, min_size: int = 0,
                      compress_if: Callable | None = None) -> list:
     """One entry per leaf of ``tree`` (in flatten order): a Compressor or None.
 
     None means the leaf is reduced uncompressed (``lax.psum``).
     """
-    out = []
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        size = int(np.prod(np.shape(leaf)))
-        if size < min_size or (compress_if is not None and not compress_if(path, leaf)):
-            out.append(None)
-            continue
+
+    def choose(path, leaf):
         chosen = compressor if isinstance(compressor, qc.Compressor) else compressor(path, leaf)
         if chosen is not None and not isinstance(chosen, qc.Compressor):
             raise ValueError(f"compressor(path, leaf) must return a qcollect Compressor or "
                              f"None, got {type(chosen).__name__} for {jax.tree_util.keystr(path)}")
-        out.append(chosen)
-    return out
+        return chosen
+
+    return leaf_choices(tree, choose, min_size=min_size, compress_if=compress_if)
+
+
+def check_compressor(name: str, value, *, per_leaf: bool = True, allow_none: bool = False):
+    """``value`` if it is a qcollect Compressor, a function ``(path, leaf) ->
+    Compressor | None`` (with ``per_leaf``) or None (with ``allow_none``).
+
+    Raises:
+      ValueError: anything else, naming ``name`` and what it may be.
+    """
+    if (isinstance(value, qc.Compressor) or (per_leaf and callable(value))
+            or (allow_none and value is None)):
+        return value
+    kinds = ["a qcollect Compressor"]
+    if per_leaf:
+        kinds.append("a function (path, leaf) -> Compressor | None")
+    if allow_none:
+        kinds.append("None")
+    allowed = " or ".join(kinds) if len(kinds) <= 2 else ", ".join(kinds[:-1]) + ", or " + kinds[-1]
+    raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def group_indices(keys: list) -> dict:
+    """The positions of equal keys, ``{key: [i, ...]}`` in order of first
+    appearance; None keys (uncompressed leaves) are left out."""
+    groups: dict = {}
+    for i, key in enumerate(keys):
+        if key is not None:
+            groups.setdefault(key, []).append(i)
+    return groups
 
 
 def compressed_fraction(tree, compressors: list) -> float:

@@ -16,9 +16,9 @@ with a leading device axis of size N, sharded ``P(axis_name)``.
   rest ``P()``.
 
 A state class marks its per-device fields with a ``per_device_fields``
-class attribute; `state_specs` finds such states anywhere in a tree, so it
-works through ``optax.chain``, ``optax.partition``, ``optax.masked`` and
-``optax.apply_if_finite``.
+class attribute (set by the `per_device` decorator); `state_specs` finds
+such states anywhere in a tree, so it works through ``optax.chain``,
+``optax.partition``, ``optax.masked`` and ``optax.apply_if_finite``.
 
 Inside the mapped step a per-device leaf is this device's block: ``(1,
 *shape)`` under ``shard_map``, ``(*shape)`` under ``jax.pmap`` (where the
@@ -39,6 +39,28 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 __all__ = ["init_sharded", "state_specs"]
+
+
+def per_device(*fields: str):
+    """Class decorator: the state NamedTuple's ``fields`` hold one block per
+    device (its ``per_device_fields``, read by `state_specs`).
+
+    Example:
+      >>> from typing import NamedTuple
+      >>> @per_device("residual")
+      ... class MyState(NamedTuple):
+      ...     residual: object
+      ...     count: object
+      >>> MyState.per_device_fields
+      ('residual',)
+    """
+    def mark(cls: type) -> type:
+        unknown = [f for f in fields if f not in getattr(cls, "_fields", ())]
+        if unknown:
+            raise ValueError(f"per_device: {cls.__name__} has no fields {unknown}")
+        cls.per_device_fields = fields  # type: ignore[attr-defined]
+        return cls
+    return mark
 
 
 def _has_per_device_fields(node) -> bool:

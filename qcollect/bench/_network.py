@@ -275,20 +275,18 @@ def swap_probe(sizes_mib: list[float], repeats: int) -> str | None:
     processes on the CPU backend), with ``psum`` of the same buffer for
     scale. Returns the markdown table on process 0, None elsewhere.
     """
-    from qcollect._ring import SWAP_PIECE_BYTES, permute
-
     n = jax.device_count()
     if n % 2:
         raise ValueError(f"the swap probe needs an even number of devices, got {n}")
     mesh = jax.make_mesh((n,), ("d",))
     perm = [(i, (i + n // 2) % n) for i in range(n)]
-    lines = [f"| MiB / process | one collective-permute ms | {SWAP_PIECE_BYTES >> 10} KiB "
-             "pieces ms | psum ms | collective-permutes (one / pieces) |",
+    lines = ["| MiB / process | one collective-permute ms | in pieces ms | psum ms "
+             "| collective-permutes (one / pieces) |",
              "|---:|---:|---:|---:|---:|"]
     for mib in sizes_mib:
         x = _buffers(_values(mib), mesh)
         fns = {"whole": lambda v: lax.ppermute(v, "d", perm),
-               "pieces": lambda v: permute(v, "d", perm),
+               "pieces": lambda v: qc.permute(v, "d", perm),
                "psum": lambda v: lax.psum(v, "d")}
         calls = {k: (_mapped(f, mesh), (x,)) for k, f in fns.items()}
         t = interleaved_medians(calls, repeats)
@@ -317,8 +315,6 @@ def message_probe(sizes_mib: list[float], repeats: int, leaves=(1, 8, 34, 128)) 
     ``lax.ppermute`` per array against qcollect's `permute` (one buffer).
     Returns the markdown table on process 0, None elsewhere.
     """
-    from qcollect._ring import permute
-
     n = jax.device_count()
     mesh = jax.make_mesh((n,), ("d",))
     perm = [(i, (i + 1) % n) for i in range(n)]
@@ -334,7 +330,7 @@ def message_probe(sizes_mib: list[float], repeats: int, leaves=(1, 8, 34, 128)) 
         x = _buffers(_values(mib), mesh)
         fns = {"apart": lambda v: onebit.decode(jax.tree.map(
                    lambda a: lax.ppermute(a, "d", perm), onebit.encode(v))),
-               "packed": lambda v: onebit.decode(permute(onebit.encode(v), "d", perm))}
+               "packed": lambda v: onebit.decode(qc.permute(onebit.encode(v), "d", perm))}
         lines.append(_probe_row(fns, x, mesh, repeats, f"{mib:g} | one-bit payload (ppermute)"))
         if jax.process_index() == 0:
             print("\n".join(lines), flush=True)
@@ -358,8 +354,6 @@ def node_probe(sizes_mib: list[float], repeats: int) -> str | None:
     ``"local"`` and ``lax.psum`` over ``"node"`` for scale. Returns the
     markdown table on process 0, None elsewhere.
     """
-    from qcollect._ring import all_gather_invariant
-
     _, grid = meshes()
     if grid is None:
         raise ValueError("the node probe needs several devices per process")
@@ -373,7 +367,7 @@ def node_probe(sizes_mib: list[float], repeats: int) -> str | None:
                    v.reshape(local, -1), "local", scatter_dimension=0, tiled=False), local),
                "ring": lambda v: jnp.tile(qc.ring_reduce_scatter(v, "local"), local),
                "psum": lambda v: lax.psum(v, "local"),
-               "all_gather": lambda v, n=size // local: all_gather_invariant(v[:n], "local"),
+               "all_gather": lambda v, n=size // local: qc.all_gather_invariant(v[:n], "local"),
                "node": lambda v: lax.psum(v, "node")}
         t = interleaved_medians({k: (_mapped(f, grid), (x,)) for k, f in fns.items()}, repeats)
         lines.append(f"| {mib:g} | " + " | ".join(f"{1e3 * t[k]:.1f}" for k in fns) + " |")

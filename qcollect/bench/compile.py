@@ -54,7 +54,13 @@ import time
 
 import numpy as np
 
-from qcollect.bench._profile import profile_table
+from qcollect.bench.workload import (
+    block_params,
+    block_shapes,
+    blocks_for,
+    format_cell,
+    tables,
+)
 
 _MARK = "@@qcollect-compile "  # prefix of the worker's result lines on stdout
 _AXIS = "d"
@@ -149,24 +155,6 @@ def parse_unroll(text: str) -> int | str | None:
     if not text.isdigit():
         raise ValueError(f"unroll_buckets must be 'auto', an int >= 0 or 'none', got {text!r}")
     return int(text)
-
-
-def block_params(width: int) -> int:
-    """Parameters of one block: ``4 d^2`` attention, ``8 d^2`` MLP, four ``d``-vectors."""
-    return 12 * width * width + 4 * width
-
-
-def block_shapes(width: int) -> dict[str, tuple[int, ...]]:
-    d = width
-    return {"q": (d, d), "k": (d, d), "v": (d, d), "o": (d, d),
-            "mlp_in": (d, 4 * d), "mlp_out": (4 * d, d),
-            "attn_norm_scale": (d,), "attn_norm_bias": (d,),
-            "mlp_norm_scale": (d,), "mlp_norm_bias": (d,)}
-
-
-def blocks_for(target_millions: float, width: int) -> int:
-    """Blocks whose parameters are nearest ``target_millions`` (at least one)."""
-    return max(1, round(target_millions * 1e6 / block_params(width)))
 
 
 _HEADER = re.compile(r"(?:ENTRY )?%([\w.\-]+) \(.*\{$")
@@ -366,73 +354,12 @@ def _run_method(method: str, blocks: list[int], width: int, devices: int, timeou
                 on_result(i, record)
                 if fatal:  # larger sizes would take longer still
                     for j in range(i + 1, len(blocks)):
-                        on_result(j, {"skipped": f"after {_cell(record)} at a smaller size"})
+                        on_result(j, {"skipped": f"after {format_cell(record)} at a smaller size"})
                     break
         finally:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
-
-
-def _cell(record: dict, field: str = "compile_s") -> str:
-    if "timeout" in record:
-        return f"> {record['timeout']:g} s"
-    if "skipped" in record:
-        return "skipped"
-    if "error" in record:
-        return "error"
-    value = record.get(field)
-    if value is None:  # no memory analysis from this backend
-        return ""
-    if field.endswith("_bytes"):
-        return f"{value / 1e6:.2f}"
-    if isinstance(value, int):
-        return f"{value:,}"
-    return f"{value:.2f}"
-
-
-def tables(rows: list[dict], methods: list[str], devices: int) -> str:
-    """The markdown: compile seconds by size and method, then one table per method."""
-    sizes = sorted({(r["parameters"], r["leaves"], r["blocks"]) for r in rows})
-    by = {(r["blocks"], r["method"]): r for r in rows}
-    out = [f"# Compile time and program size, {devices} simulated CPU devices",
-           "", "Compile seconds (XLA, after lowering):", "",
-           "| parameters | leaves | " + " | ".join(methods) + " |",
-           "|---:|---:|" + "---:|" * len(methods)]
-    for params, leaves, blocks in sizes:
-        cells = [_cell(by[blocks, m]) if (blocks, m) in by else "" for m in methods]
-        out.append(f"| {params:,} | {leaves:,} | " + " | ".join(cells) + " |")
-    stepped = any("step_ms" in r for r in rows)
-    for m in methods:
-        out += ["", f"## {m}", "",
-                "| parameters | leaves | lower s | compile s | StableHLO MB "
-                "| optimised HLO MB | kernels | distinct kernels | scratch MB |"
-                + (" step ms |" if stepped else ""),
-                "|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if stepped else "")]
-        for params, leaves, blocks in sizes:
-            r = by.get((blocks, m))
-            if r is None:
-                continue
-            fields = ("lower_s", "compile_s", "stablehlo_bytes", "hlo_bytes", "kernels",
-                      "distinct_kernels", "temp_bytes") + (
-                ("step_ms",) if stepped else ())
-            cells = [_cell(r, f) for f in fields]
-            if "lower_s" not in r:
-                cells = [cells[0]] + [""] * (len(fields) - 1)
-            out.append(f"| {params:,} | {leaves:,} | " + " | ".join(cells) + " |")
-    for r in rows:
-        if r.get("profile"):
-            out += ["", f"### {r['method']}, {r['parameters']:,} parameters: device time",
-                    "", profile_table(r["profile"], len(r["profile"]))]
-    timeouts = sorted({r["timeout"] for r in rows if "timeout" in r})
-    if timeouts:
-        out += ["", f"\"> {timeouts[0]:g} s\": lower + compile ran past the timeout and was "
-                "killed; the method's larger sizes are skipped."]
-    errors = [r for r in rows if "error" in r]
-    if errors:
-        out += [""] + [f"- {r['method']}, {r['parameters']:,} parameters: {r['error']}"
-                       for r in errors]
-    return "\n".join(out)
 
 
 def _progress(total: int):
@@ -464,7 +391,7 @@ def run(targets: list[float], methods: list[str], width: int, devices: int,
                 bar.update()
             else:
                 print(f"compile: {method}, {rows[-1]['parameters']:,} parameters: "
-                      f"{_cell(record)}", file=sys.stderr, flush=True)
+                      f"{format_cell(record)}", file=sys.stderr, flush=True)
 
         _run_method(method, blocks, width, devices, timeout, on_result, runs, profile)
     if bar is not None:

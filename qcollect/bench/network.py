@@ -83,7 +83,7 @@ import sys
 
 import qcollect.launch
 from qcollect.bench.compile import parse_unroll
-from qcollect.launch._args import parse_rate
+from qcollect.launch import parse_rate
 
 METHODS = ("psum", "ring", "cast-bf16", "qsgd-8", "qsgd-4", "onebit", "adaptive", "pca")
 

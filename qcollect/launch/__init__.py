@@ -49,8 +49,9 @@ import signal
 import threading
 
 from qcollect.launch import _env
+from qcollect.launch._args import parse_delay, parse_rate
 
-__all__ = ["initialize", "is_launched", "main"]
+__all__ = ["initialize", "is_launched", "main", "parse_delay", "parse_rate"]
 
 # How long a CPU collective waits for its peers before it fails (XLA's default
 # is 30 minutes); Gloo raises "Timed out waiting ... for recv operation".
