@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 import jax.numpy as jnp
 
+from qcollect._backend import propagate_nonfinite
 from qcollect._config import check_choice, check_floating_input, check_int, require_key
 from qcollect._groups import bucket_groups, flat_codes, from_view, to_view, view_codes
 from qcollect._packing import pack_bits, unpack_bits
@@ -132,9 +133,8 @@ def _bucket_scales(view, norm: str):
         c = jnp.where(jnp.isfinite(c) & (c > 0), c, 1.0)[:, None]
         norm2 = jnp.sqrt(jnp.sum((view * c) * (view * c), axis=1)) / c[:, 0]
         scale = jnp.minimum(norm2, jnp.finfo(jnp.float32).max)
-    # XLA:CPU's vectorised max reduction can drop a NaN (seen on
-    # 8192-wide rows); a sum always propagates NaN and Inf.
-    return scale + jnp.sum(view - view, axis=1)
+    # XLA:CPU's vectorised max reduction can drop a NaN (`qcollect._backend`, entry 4).
+    return propagate_nonfinite(scale, view, axis=1)
 
 
 def _top_level(bits: int) -> int:
