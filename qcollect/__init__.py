@@ -14,19 +14,27 @@ qcollect imports jax and numpy only; the optax layer is the `transforms`
 package, installed by the same distribution.
 """
 
-from qcollect._adaptive import adaptive
-from qcollect._baseline import cast, identity
-from qcollect._buckets import AUTO_BATCH_BYTES, AUTO_UNROLL_LIMIT, UNROLL_BUCKETS, runs_batched
-from qcollect._compressed import ALGORITHMS, AllReduceResult, compressed_all_reduce
-from qcollect._entropy import EntropyCompressor, EntropyPlan, entropy
+from qcollect._adaptive import AdaptiveCompressor, adaptive
+from qcollect._algorithms import collective_codec
+from qcollect._baseline import CastCompressor, cast, identity
+from qcollect._buckets import (
+    AUTO_BATCH_BYTES,
+    AUTO_TRACE_LIMIT,
+    BATCH_BUCKETS,
+    BatchBuckets,
+    runs_batched,
+)
+from qcollect._compressed import ALGORITHMS, Algorithm, AllReduceResult, compressed_all_reduce
+from qcollect._entropy import EntropyCompressor, EntropyPlan, PlannedEntropyCompressor, entropy
 from qcollect._groups import matrix_view
 from qcollect._layout import BUCKET_BYTES, leaf_chunks
 from qcollect._messages import fused_psum
-from qcollect._onebit import onebit
+from qcollect._onebit import OneBitCompressor, onebit
 from qcollect._packing import pack_bits, packed_words, unpack_bits
 from qcollect._payload import Compressor, Payload, payload_bytes
-from qcollect._pca import PCAFit, pca, pca_fit
+from qcollect._pca import PCACompressor, PCAFit, pca, pca_fit
 from qcollect._powersgd import (
+    PowerSGDCompressor,
     orthogonalize,
     powersgd,
     powersgd_init,
@@ -39,7 +47,7 @@ from qcollect._powersgd import (
     powersgd_reconstruct,
     powersgd_should_compress,
 )
-from qcollect._qsgd import QSGD_BUCKET_SIZES, qsgd
+from qcollect._qsgd import QSGD_BUCKET_SIZES, QSGDCompressor, qsgd
 from qcollect._ring import (
     all_gather_invariant,
     permute,
@@ -48,27 +56,38 @@ from qcollect._ring import (
     ring_bytes_per_device,
     ring_reduce_scatter,
 )
-from qcollect._threshold import threshold
+from qcollect._threshold import ThresholdCompressor, threshold
 from qcollect._wire import WireOp, bytes_along, wire_bytes, wire_bytes_by_axis, wire_report
 
 __all__ = [
     "ALGORITHMS",
-    "AllReduceResult",
-    "BUCKET_BYTES",
-    "UNROLL_BUCKETS",
     "AUTO_BATCH_BYTES",
-    "AUTO_UNROLL_LIMIT",
+    "AUTO_TRACE_LIMIT",
+    "AdaptiveCompressor",
+    "Algorithm",
+    "AllReduceResult",
+    "BATCH_BUCKETS",
+    "BUCKET_BYTES",
+    "BatchBuckets",
+    "CastCompressor",
     "Compressor",
     "EntropyCompressor",
     "EntropyPlan",
+    "OneBitCompressor",
+    "PCACompressor",
     "PCAFit",
     "Payload",
+    "PlannedEntropyCompressor",
+    "PowerSGDCompressor",
+    "QSGDCompressor",
     "QSGD_BUCKET_SIZES",
+    "ThresholdCompressor",
     "WireOp",
     "adaptive",
     "all_gather_invariant",
     "bytes_along",
     "cast",
+    "collective_codec",
     "compressed_all_reduce",
     "entropy",
     "fused_psum",

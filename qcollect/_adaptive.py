@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +49,7 @@ import numpy as np
 from jax import lax
 
 from qcollect._config import check_choice, check_float, check_floating_input, check_int, require_key
-from qcollect._golomb import check_coding, decode_entries, encode_entries
+from qcollect._golomb import Coding, check_coding, decode_entries, encode_entries
 from qcollect._groups import (
     Groups,
     bucket_or_column_groups,
@@ -100,16 +100,17 @@ class AdaptiveCompressor(Compressor):
     sample: int | None
     bucket_size: int
     capacity_scale: float
-    coding: str
+    coding: Coding
     rice_k: int | None
 
     setting_names: ClassVar[tuple[str, ...]] = (
         "proportion", "sample", "grouping", "bucket_size", "capacity_scale", "coding", "rice_k")
 
 
-def adaptive(proportion: float = 64.0, *, sample: int | None = None, grouping: str = "column",
+def adaptive(proportion: float = 64.0, *, sample: int | None = None,
+             grouping: Literal["column", "bucket"] = "column",
              bucket_size: int = 512, capacity_scale: float | None = None,
-             coding: str = "words", rice_k: int | None = None) -> AdaptiveCompressor:
+             coding: Coding = "words", rice_k: int | None = None) -> AdaptiveCompressor:
     """Adaptive quantization: send the largest ``1/proportion`` of each sign per group.
 
     For each group (a column of the weight matrix, as in the paper, or a
@@ -123,9 +124,8 @@ def adaptive(proportion: float = 64.0, *, sample: int | None = None, grouping: s
     threshold quantization (sign bit + 31-bit index) or Golomb-Rice coded
     (section 3.3: "amenable to delta coding and compression"). Error
     feedback lives in the optax layer. The module docstring details the
-    exact and sampled selections and the static capacity: when more entries
-    pass than the slots hold, those of largest ``|v|`` are sent and the rest
-    stay in the error-feedback residual.
+    selections and the static capacity: when more entries pass than the
+    slots hold, the largest ``|v|`` are sent, the rest stay in the residual.
 
     Non-finite input: the header word carries a flag set when the input holds
     NaN or Inf (a NaN is neither >= 0 nor < 0 and would never be sent); decode
@@ -156,9 +156,10 @@ def adaptive(proportion: float = 64.0, *, sample: int | None = None, grouping: s
       ValueError: a setting outside the values above.
 
     References:
-      Dryden, Moon, Jacobs, Van Essen, "Communication Quantization for
-      Data-parallel Training of Deep Neural Networks", MLHPC 2016, section
-      3.3, footnote 1; section 3.1 for the means.
+      Dryden, Moon, Jacobs, Van Essen, `Communication Quantization for
+      Data-parallel Training of Deep Neural Networks
+      <https://doi.org/10.1109/MLHPC.2016.004>`_, MLHPC 2016, section 3.3,
+      footnote 1; section 3.1 for the means.
 
     Example:
       >>> import jax.numpy as jnp, qcollect as qc

@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from qcollect._layout import Segment
+from qcollect._layout import RowSegment, Segment, plan_segments
 from qcollect._messages import send_packed
-from qcollect._payload import Compressor
+from qcollect._payload import Compressor, Payload
 from qcollect._result import AllReduceResult
 from qcollect._ring import (
     all_gather_invariant,
@@ -27,8 +27,10 @@ from qcollect._ring import (
     shift_right,
     take_chunk,
 )
+from qcollect.checks import check_int
 
-__all__ = ["ChunkSource", "Chunks", "Codec", "Stacked", "reduce_pieces", "reduce_segment"]
+__all__ = ["ChunkSource", "Chunks", "Codec", "Stacked", "collective_codec", "reduce_pieces",
+           "reduce_segment"]
 
 
 class ChunkSource(Protocol):
@@ -89,9 +91,7 @@ class Chunks(NamedTuple):
         return self.segment.take(self.data, j)
 
     def stacked(self) -> jax.Array:
-        if self.segment.columns:
-            return self.data.reshape(self.segment.unit, self.n, -1).transpose(1, 0, 2)
-        return self.data
+        return self.segment.stacked(self.data)
 
 
 
@@ -264,8 +264,8 @@ def _pieces(chunks: Chunks, valid, residual, pipeline: int):
     bounds = [rows * k // count for k in range(count + 1)]
     out = []
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-        piece = Segment((0,), ((seg.n * (hi - lo) * seg.unit,),), seg.dtype, False, seg.unit,
-                        (seg.n * (hi - lo),), seg.n)
+        piece = RowSegment(members=(0,), shapes=((seg.n * (hi - lo) * seg.unit,),),
+                           dtype=seg.dtype, width=seg.unit, spans=(seg.n * (hi - lo),), n=seg.n)
         cut = lambda a, lo=lo, hi=hi: a[:, lo * seg.unit:hi * seg.unit]  # noqa: E731
         out.append((Chunks(cut(chunks.data), piece),
                     None if valid is None else valid[:, lo:hi],
@@ -287,3 +287,53 @@ def reduce_pieces(chunks, axis_name, compressor, *, valid, key, algorithm, resid
         return results[0]
     return AllReduceResult(*(None if parts[0] is None else jnp.concatenate(parts, axis=1)
                              for parts in zip(*results, strict=True)))
+
+
+def collective_codec(compressor: Compressor, like, num_devices: int) -> Compressor:
+    """``compressor`` as `qcollect.compressed_all_reduce` codes one leaf
+    shaped like ``like`` reduced on its own over ``num_devices`` devices.
+
+    ``encode(x, key)`` lays ``x`` out into ``num_devices`` chunks of whole
+    groups (buckets: a reshape; columns: blocks of whole columns read from
+    the matrix, no copy) and encodes every chunk with the collective's own
+    code (padding masked as the collective masks it), returning the stacked
+    payloads; ``decode`` decodes them and lays the values back (for columns
+    a copy of ``(N, rows, c)`` into ``(rows, N c)``). Side by side with
+    ``compressor`` itself this is what the collective's layout costs (the
+    quantizer benchmark's ``collective layout`` rows).
+
+    Args:
+      compressor: a `Compressor`.
+      like: an array or ``jax.ShapeDtypeStruct``: the leaf's shape and dtype.
+      num_devices: devices along the axis, >= 1.
+
+    Returns:
+      A `Compressor` named ``"<name>/layout<num_devices>"`` for arrays shaped
+      like ``like``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, qcollect as qc
+      >>> x = jnp.arange(24.0).reshape(3, 8)
+      >>> c = qc.collective_codec(qc.cast("bfloat16"), x, 4)
+      >>> payload = c.encode(x, jax.random.key(0))
+      >>> c.name, bool((c.decode(payload) == x).all())
+      ('cast/bfloat16/layout4', True)
+    """
+    num_devices = check_int("num_devices", num_devices, low=1)
+    (segment,) = plan_segments([like], compressor.grouping, compressor.block, num_devices,
+                               bucket_bytes=None)
+    valid = segment.valid() if compressor.masks_padding else None
+    codec = Codec(compressor, None if valid is None else jnp.asarray(valid))
+    name = f"{compressor.name}/layout{num_devices}"
+
+    def encode(x, key=None):
+        keys = jax.random.split(jax.random.key(0) if key is None else key, num_devices)
+        chunks = codec.round_trip_all(Chunks(segment.laid_out([x]), segment), keys)[0]
+        return Payload(chunks.arrays, tuple(x.shape), x.dtype, name)
+
+    def decode(payload):
+        chunks = Payload(payload.arrays, segment.chunk_shape, payload.dtype, compressor.name)
+        return segment.leaves(codec.decode_all(chunks))[0]
+
+    return Compressor(name, encode, decode, linear=compressor.linear,
+                      stochastic=compressor.stochastic)

@@ -32,21 +32,18 @@ start at runtime offsets (`qcollect._offsets`), so the kernels of the
 leaves of one shape are one program and XLA generates its code once; the
 optimised HLO text still prints every leaf's copy.
 
-When a class runs as a batch (`runs_batched`, ``unroll``): with the
-default ``"auto"`` (`UNROLL_BUCKETS`), a class of buckets of at most
+When a class runs as a batch (`runs_batched`, ``batch_buckets``): with
+the default ``"auto"`` (`BATCH_BUCKETS`), a class of buckets of at most
 `AUTO_BATCH_BYTES` (4 MiB: the full buckets of fused leaves, and leaves up
 to that size reduced alone) runs as one batch, and a class of larger
 buckets (large leaves reduced alone) is traced once per bucket unless it
-has more than `AUTO_UNROLL_LIMIT` of them. The batch saves each hop's
+has more than `AUTO_TRACE_LIMIT` of them. The batch saves each hop's
 fixed cost per bucket but copies its buckets into one stack (XLA:CPU
-materialised it twice for 1-bit, in two layouts); measured across 4
-processes at 1 Gbit/s (`docs/benchmarks.md`, "Batch or trace"), the batch
-ran QSGD-4 in 0.74-0.78x and 0.65x of the traced time for 4 and 16 leaves
-of 4 MiB but in 1.15-1.23x and 1.34-1.38x for 4 leaves of 8 MiB and 2
-leaves of 16 MiB (the MNIST MLP at width 2048); in one process, where a
-hop costs little, a transformer block of such leaves batched whole took
-twice the traced time. An int ``K`` batches every class of more than ``K``
-buckets (0: all), None none; a single bucket is always traced.
+materialised it twice for 1-bit, in two layouts); docs/benchmarks.md
+("Batch or trace") has the measurements behind the default. ``"always"``
+batches every class of two or more buckets, ``"never"`` traces every
+bucket, and an int ``K`` batches the classes of more than ``K`` buckets;
+a single bucket is always traced.
 
 Randomness: a segment of one bucket uses ``fold_in(key, segment)`` as it
 always did; bucket ``b`` of a longer segment uses
@@ -59,7 +56,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -69,29 +66,36 @@ from qcollect._layout import BUCKET_BYTES, Segment
 from qcollect._offsets import runtime_slices
 from qcollect._result import AllReduceResult
 
-__all__ = ["AUTO_BATCH_BYTES", "AUTO_UNROLL_LIMIT", "UNROLL_BUCKETS", "check_unroll",
+__all__ = ["AUTO_BATCH_BYTES", "AUTO_TRACE_LIMIT", "BATCH_BUCKETS", "BatchBuckets",
+           "check_batch_buckets",
            "reduce_buckets", "runs_batched"]
 
-#: The default ``unroll_buckets``: batch by bucket size (`runs_batched`).
-UNROLL_BUCKETS = "auto"
+#: The values of ``batch_buckets`` besides an int ``K`` (batch the classes of
+#: more than ``K`` buckets).
+BatchBuckets = Literal["auto", "always", "never"] | int
+#: The default ``batch_buckets``: batch by bucket size (`runs_batched`).
+BATCH_BUCKETS: BatchBuckets = "auto"
 #: ``"auto"``: classes of buckets of at most this many bytes run as one batch.
 AUTO_BATCH_BYTES = BUCKET_BYTES
 #: ``"auto"``: larger buckets are traced one by one up to this many per class.
-AUTO_UNROLL_LIMIT = 16
+AUTO_TRACE_LIMIT = 16
+
+_BATCH_WORDS = ("auto", "always", "never")
 
 
-def check_unroll(value, name: str = "unroll_buckets"):
-    """``value`` as an ``unroll_buckets`` setting: ``"auto"``, None or an int >= 0."""
-    if isinstance(value, str) and value == "auto":
-        return value
-    if value is None:
-        return None
+def check_batch_buckets(value, name: str = "batch_buckets") -> BatchBuckets:
+    """``value`` as a ``batch_buckets`` setting: ``"auto"``, ``"always"``,
+    ``"never"`` or an int >= 0."""
+    if isinstance(value, str) and value in _BATCH_WORDS:
+        return value  # type: ignore[return-value]
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise ValueError(f"{name} must be 'auto', None or an integer >= 0, got {value!r}")
+        raise ValueError(f"{name} must be 'auto', 'always', 'never' or an integer >= 0, "
+                         f"got {value!r}")
     return int(value)
 
 
-def runs_batched(count: int, bucket_bytes: int, unroll=UNROLL_BUCKETS) -> bool:
+def runs_batched(count: int, bucket_bytes: int, batch_buckets: BatchBuckets = BATCH_BUCKETS
+                 ) -> bool:
     """Whether a class of ``count`` equal buckets of ``bucket_bytes`` bytes
     each runs as one batch (`jax.vmap` over its buckets) rather than traced
     once per bucket.
@@ -100,25 +104,29 @@ def runs_batched(count: int, bucket_bytes: int, unroll=UNROLL_BUCKETS) -> bool:
       count: buckets (or leaves of one shape) in the class; one is never
         batched.
       bucket_bytes: bytes of one bucket, all devices' chunks together.
-      unroll: ``"auto"`` (default, `UNROLL_BUCKETS`): batch buckets of at most
-        `AUTO_BATCH_BYTES`, and larger ones when there are more than
-        `AUTO_UNROLL_LIMIT`; an int ``K``: batch more than ``K`` buckets;
-        None: never.
+      batch_buckets: ``"auto"`` (default, `BATCH_BUCKETS`): batch buckets of
+        at most `AUTO_BATCH_BYTES`, and larger ones when there are more than
+        `AUTO_TRACE_LIMIT`; ``"always"``: batch; ``"never"``: trace each
+        bucket; an int ``K``: batch more than ``K`` buckets.
 
     Example:
       >>> import qcollect as qc
       >>> mib = 1 << 20
       >>> qc.runs_batched(16, 4 * mib), qc.runs_batched(2, 16 * mib)
       (True, False)
-      >>> qc.runs_batched(2, 16 * mib, unroll=0), qc.runs_batched(17, 16 * mib)
+      >>> qc.runs_batched(2, 16 * mib, "always"), qc.runs_batched(17, 16 * mib)
       (True, True)
+      >>> qc.runs_batched(16, 4 * mib, "never"), qc.runs_batched(3, 4 * mib, 2)
+      (False, True)
     """
-    unroll = check_unroll(unroll)
-    if count < 2 or unroll is None:
+    batch_buckets = check_batch_buckets(batch_buckets)
+    if count < 2 or batch_buckets == "never":
         return False
-    if unroll == "auto":
-        return bucket_bytes <= AUTO_BATCH_BYTES or count > AUTO_UNROLL_LIMIT
-    return count > unroll
+    if batch_buckets == "always":
+        return True
+    if batch_buckets == "auto":
+        return bucket_bytes <= AUTO_BATCH_BYTES or count > AUTO_TRACE_LIMIT
+    return count > batch_buckets
 
 
 class _Run(NamedTuple):
@@ -232,7 +240,8 @@ def _batched(runs: list[_Run], inputs: _Inputs, segments: list[Segment], key,
 
 
 def reduce_buckets(segments: list[Segment], leaves, owners, *, key, masks_padding: bool,
-                   reduce_bucket: Callable, unroll=UNROLL_BUCKETS) -> list[AllReduceResult]:
+                   reduce_bucket: Callable, batch_buckets: BatchBuckets = BATCH_BUCKETS
+                   ) -> list[AllReduceResult]:
     """Runs ``reduce_bucket`` on every bucket of every segment, once per class.
 
     Args:
@@ -245,7 +254,7 @@ def reduce_buckets(segments: list[Segment], leaves, owners, *, key, masks_paddin
         AllReduceResult`` for one bucket: ``data`` and ``residual`` as
         `Segment.laid_out` of the bucket ``layout``, results stacked
         ``(n, *chunk_shape)`` (``owner_error`` may be None).
-      unroll: ``unroll_buckets`` (`runs_batched`): which classes run as one
+      batch_buckets: `runs_batched`: which classes run as one
         batch.
 
     Returns:
@@ -258,7 +267,7 @@ def reduce_buckets(segments: list[Segment], leaves, owners, *, key, masks_paddin
     for (_, _, _, per_chunk, _), runs in classes.items():
         layout = segments[runs[0].segment].layout(per_chunk)
         nbytes = layout.n * math.prod(layout.chunk_shape) * np.dtype(layout.dtype).itemsize
-        batched = runs_batched(sum(r.buckets for r in runs), nbytes, unroll)
+        batched = runs_batched(sum(r.buckets for r in runs), nbytes, batch_buckets)
         run = _batched if batched else _traced
         results.update(run(runs, inputs, segments, key, reduce_bucket, layout))
     reduced = []

@@ -38,7 +38,7 @@ Randomness: every device uses ``fold_in(key, axis_index)``, then one more
 ``fold_in`` per chunk, hop or buffer, so no two encodings share a stream.
 
 Segments, buckets and batches (the ``fuse``, ``bucket_bytes``, ``pipeline``
-and ``unroll_buckets`` arguments):
+and ``batch_buckets`` arguments):
 
 * ``fuse`` places leaves of one dtype side by side in one segment, so small
   leaves ride together: whole buckets row after row, or for
@@ -57,7 +57,7 @@ and ``unroll_buckets`` arguments):
   the random streams of stochastic compressors; the wire bytes grow at most
   by each run's last, partly filled packed word. On the CPU backend no
   count helped (`docs/collectives.md`, "Pipelining").
-* ``unroll_buckets``: equal buckets (the full buckets of fused leaves, or
+* ``batch_buckets``: equal buckets (the full buckets of fused leaves, or
   leaves of one shape reduced on their own) form a class, which runs either
   as one batch (`jax.vmap` over its buckets: each hop one message for all
   of them, one copy of the algorithm in the program) or traced once per
@@ -74,13 +74,14 @@ and ``unroll_buckets`` arguments):
 from __future__ import annotations
 
 import functools
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from qcollect._algorithms import Chunks, reduce_pieces
-from qcollect._buckets import UNROLL_BUCKETS, check_unroll, reduce_buckets
+from qcollect._buckets import BATCH_BUCKETS, BatchBuckets, check_batch_buckets, reduce_buckets
 from qcollect._config import check_choice, check_int
 from qcollect._hierarchical import reduce_hierarchical
 from qcollect._layout import BUCKET_BYTES, plan_segments
@@ -90,6 +91,8 @@ from qcollect._result import AllReduceResult
 __all__ = ["ALGORITHMS", "AllReduceResult", "compressed_all_reduce"]
 
 ALGORITHMS = ("ring", "pairwise", "ring_requantize")
+#: ``algorithm`` of the compressed all-reduce: one of `ALGORITHMS` or ``"auto"``.
+Algorithm = Literal["auto", "ring", "pairwise", "ring_requantize"]
 
 
 def _hierarchy(axis_name):
@@ -106,10 +109,10 @@ def _hierarchy(axis_name):
 
 
 def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
-                          algorithm: str = "auto", mean: bool = False, fuse: bool = True,
+                          algorithm: Algorithm = "auto", mean: bool = False, fuse: bool = True,
                           bucket_bytes: int | None = BUCKET_BYTES, pipeline: int = 1,
                           owner_residual=None,
-                          unroll_buckets: int | str | None = UNROLL_BUCKETS) -> AllReduceResult:
+                          batch_buckets: BatchBuckets = BATCH_BUCKETS) -> AllReduceResult:
     """All-reduce of an array or pytree with every hop compressed.
 
     Args:
@@ -138,10 +141,9 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
       owner_residual: ``"pairwise"`` only: the previous step's ``owner_error``
         (same structure as ``x``), added to the owner's reduced chunk before
         re-encoding.
-      unroll_buckets: which classes of equal buckets run as one batch
-        (`qc.runs_batched`): ``"auto"`` (default, `qc.UNROLL_BUCKETS`), an
-        int ``K`` (batch classes of more than ``K`` buckets; 0: all), or
-        None (never batch; the program then grows with the model).
+      batch_buckets: which classes of equal buckets run as one batch
+        (`qc.runs_batched`): ``"auto"`` (default: by bucket size),
+        ``"always"``, ``"never"`` or an int ``K`` (more than ``K`` buckets).
 
     Returns:
       `AllReduceResult` ``(value, contributed, owner_error)``, each like ``x``
@@ -156,13 +158,16 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
         that is not two different axes, or ``pipeline > 1`` with two.
 
     References:
-      Yu et al., GradiVeQ, Algorithm 1; Dryden et al. section 3.4;
-      Gibiansky (ring all-reduce); hierarchical: ZeRO++ (Wang et al. 2023,
-      hierarchical quantized gradients), CGX (Markov et al. 2022).
+      Yu et al. (GradiVeQ), NeurIPS 2018 <https://arxiv.org/abs/1811.03617>,
+        Algorithm 1; Dryden et al., MLHPC 2016, section 3.4
+        <https://doi.org/10.1109/MLHPC.2016.004>; Gibiansky, ring all-reduce
+        <http://research.baidu.com/bringing-hpc-techniques-deep-learning/>;
+      hierarchical: Wang et al. (ZeRO++), 2023 <https://arxiv.org/abs/2306.10209>;
+        CGX (Markov et al. 2022).
     """
-    algorithm, pipeline, unroll_buckets, axes = _checked_settings(
+    algorithm, pipeline, batch_buckets, axes = _checked_settings(
         compressor, key, axis_name, algorithm=algorithm, pipeline=pipeline,
-        owner_residual=owner_residual, unroll_buckets=unroll_buckets)
+        owner_residual=owner_residual, batch_buckets=batch_buckets)
     key = jax.random.fold_in(jax.random.key(0) if key is None else key,
                              lax.axis_index(axis_name))
     n = int(lax.axis_size(axis_name))
@@ -177,7 +182,7 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
                                       pipeline=pipeline)
     reduced = reduce_buckets(segments, leaves, owners, key=key,
                              masks_padding=compressor.masks_padding,
-                             reduce_bucket=reduce_bucket, unroll=unroll_buckets)
+                             reduce_bucket=reduce_bucket, batch_buckets=batch_buckets)
     value, contributed, owner = _leaf_results(segments, reduced, leaves, treedef)
     if mean:
         value = jax.tree.map(lambda v: (v / n).astype(v.dtype), value)
@@ -185,8 +190,8 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
 
 
 def _checked_settings(compressor: Compressor, key, axis_name, *, algorithm: str,
-                      pipeline: int, owner_residual, unroll_buckets):
-    """``(algorithm, pipeline, unroll_buckets, axes)`` validated, ``"auto"``
+                      pipeline: int, owner_residual, batch_buckets):
+    """``(algorithm, pipeline, batch_buckets, axes)`` validated, ``"auto"``
     resolved, ``axes`` the `_hierarchy` of ``axis_name``.
 
     Raises ValueError for an unknown algorithm, ``"ring"`` with a non-linear
@@ -195,7 +200,7 @@ def _checked_settings(compressor: Compressor, key, axis_name, *, algorithm: str,
     """
     check_choice("algorithm", algorithm, ("auto",) + ALGORITHMS)
     pipeline = check_int("pipeline", pipeline, low=1)
-    unroll_buckets = check_unroll(unroll_buckets)
+    batch_buckets = check_batch_buckets(batch_buckets)
     if algorithm == "auto":
         algorithm = "ring" if compressor.linear else "pairwise"
     if algorithm == "ring" and not compressor.linear:
@@ -209,7 +214,7 @@ def _checked_settings(compressor: Compressor, key, axis_name, *, algorithm: str,
     if axes is not None and pipeline > 1:
         raise ValueError("pipeline > 1 needs a single axis_name; a hierarchical (outer, "
                          "inner) all-reduce runs one piece per chunk")
-    return algorithm, pipeline, unroll_buckets, axes
+    return algorithm, pipeline, batch_buckets, axes
 
 
 def _reduce_bucket(data, valid, residual, *, key, layout, axis_name, axes,

@@ -213,8 +213,9 @@ def entropy(*, sample_fraction: float = 0.03, prelim_bits: int = 4, floor: int =
       ValueError: a setting outside the values above.
 
     References:
-      Oland and Raj, "Reducing Communication Overhead in Distributed
-      Learning by an Order of Magnitude (Almost)", Algorithms 1 and 2;
+      Oland, Raj, "Reducing Communication Overhead in Distributed Learning
+      by an Order of Magnitude (Almost)", ICASSP 2015, pp. 2219-2223 (no
+      open version found), Algorithms 1 and 2;
       F = 0.03, M = 4, c = 5 or 6 and a ceiling of 10 are the paper's
       settings (sections 4, 5.1).
 

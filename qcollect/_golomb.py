@@ -29,6 +29,8 @@ Rice parameter for geometric gaps at density ``capacity / n`` (about
 
 from __future__ import annotations
 
+from typing import Literal
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,6 +43,8 @@ __all__ = ["CODINGS", "rice_parameter", "stream_layout", "rice_encode", "rice_de
            "encode_entries", "decode_entries", "check_coding"]
 
 CODINGS = ("words", "golomb_rice")
+#: How a sparse payload stores its indices: one of `CODINGS`.
+Coding = Literal["words", "golomb_rice"]
 MAX_RICE_K = 30
 
 

@@ -9,22 +9,22 @@ an entropy range over several layers, a "column" that is a whole chunk). The
 layout here keeps every group whole and inside its own leaf:
 
 * ``"element"`` and ``"bucket"`` (``block`` values per bucket): a *row
-  segment*. Each leaf is flattened row-major and zero-padded to whole
-  buckets, so its buckets are rows of a ``(rows, block)`` array; leaves of
+  segment* (`RowSegment`). Each leaf is flattened row-major and
+  zero-padded to whole buckets, so its buckets are rows of a ``(rows, block)`` array; leaves of
   one dtype are stacked row after row and the rows cut into buckets of at
   most ``bucket_bytes`` (`Segment.parts`), and a device's chunk of a bucket
   is whole rows, encoded as one flat array. A leaf's last, partial bucket
   is zero-padded; compressors whose statistics padding would bias
   (`Compressor.masks_padding`) get its real count in ``valid``.
-* ``"column"``: a *column segment*. Each leaf is viewed as a
-  ``(rows, cols)`` matrix (`qcollect.matrix_view`: the last axis indexes the
+* ``"column"``: a *column segment* (`ColumnSegment`). Each leaf is viewed
+  as a ``(rows, cols)`` matrix (`qcollect.matrix_view`: the last axis indexes the
   columns, so a Flax kernel ``(in, out)`` or ``(kh, kw, in, out)`` has one
   column per output unit); leaves of one dtype and the same number of rows
   are placed side by side; a device's chunk is ``ceil(cols / N)`` whole
   columns, a ``(rows, c)`` matrix encoded with column groups (reduced along
   axis 0, no transpose). Columns are strided in memory: the collective
   encodes each chunk's block straight from the side-by-side matrix
-  (`Segment.take`), and only the decoded chunks are copied back from
+  (`ColumnSegment.take`), and only the decoded chunks are copied back from
   ``(N, rows, c)`` to ``(rows, N c)``. The quantizer benchmark's
   ``collective layout`` rows measure the cost next to buckets.
 * ``"leaf"``: one segment per leaf, never fused; each device owns a share
@@ -42,8 +42,10 @@ after decoding; when ``valid`` is passed they count 0.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
+from typing import ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
@@ -54,57 +56,67 @@ from qcollect._config import check_int
 from qcollect._groups import matrix_view
 from qcollect._offsets import runtime_slices
 
-__all__ = ["BUCKET_BYTES", "GROUPINGS", "Segment", "leaf_chunks", "plan_segments"]
+__all__ = ["BUCKET_BYTES", "GROUPINGS", "ColumnSegment", "RowSegment", "Segment", "leaf_chunks",
+           "plan_segments"]
 
 #: Default bucket size: small leaves ride together in buckets of 4 MiB; a
 #: leaf of 4 MiB or more is reduced on its own, without a concatenation copy.
 BUCKET_BYTES = 4 << 20
 
 GROUPINGS = ("element", "bucket", "column", "leaf")
+#: `Compressor.grouping`: one of `GROUPINGS`.
+Grouping = Literal["element", "bucket", "column", "leaf"]
 
 
-@dataclasses.dataclass(frozen=True)
-class Segment:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Segment(abc.ABC):
     """Leaves reduced together, as whole groups, and their per-device chunks.
+
+    The base of the two layouts, `RowSegment` and `ColumnSegment`: what they
+    share is counted in their *spans*, rows (of a row segment) or columns (of
+    a column segment), and each says what a span is and how its chunks are
+    cut.
 
     Attributes:
       members: indices of the leaves, in tree order.
       shapes: their shapes.
       dtype: their common dtype.
-      columns: True for a column segment (chunks are ``(rows, c)`` matrices
-        of whole columns), False for a row segment (chunks are flat runs of
-        whole ``width``-value rows).
-      unit: values per row (row segment) or rows of the matrix view (column
-        segment).
-      spans: rows (or columns) of each member.
+      spans: rows or columns of each member.
       n: devices, i.e. chunks.
-      bucket: rows (or columns) of one device's chunk in a full bucket, or
-        None: the segment is one bucket. A segment longer than ``n * bucket``
-        is reduced bucket by bucket (`parts`), each bucket cut into ``n``
+      bucket: spans of one device's chunk in a full bucket, or None: the
+        segment is one bucket. A segment longer than ``n * bucket`` is
+        reduced bucket by bucket (`parts`), each bucket cut into ``n``
         chunks of whole groups; equal buckets run as one batch
         (`qcollect._buckets`).
     """
 
+    #: Whether chunks are column blocks of a side-by-side matrix (encoded one
+    #: by one, `qcollect._algorithms.Codec.round_trip_all`).
+    columns: ClassVar[bool]
+
     members: tuple[int, ...]
     shapes: tuple[tuple[int, ...], ...]
     dtype: np.dtype
-    columns: bool
-    unit: int
     spans: tuple[int, ...]
     n: int
     bucket: int | None = None
 
     @property
+    @abc.abstractmethod
+    def unit(self) -> int:
+        """Values of one span: a row's width, or a column's height."""
+
+    @property
     def length(self) -> int:
-        """Rows (or columns) of the segment, padding excluded."""
+        """Spans of the segment, padding excluded."""
         return sum(self.spans)
 
     @property
     def parts(self) -> tuple[tuple[int, int], ...]:
         """``((count, per_chunk), ...)``: runs of equal buckets, in order.
 
-        One bucket of ``ceil(length / n)`` rows per chunk, or ``count`` full
-        buckets of ``bucket`` rows per chunk and a last, shorter one for the
+        One bucket of ``ceil(length / n)`` spans per chunk, or ``count`` full
+        buckets of ``bucket`` spans per chunk and a last, shorter one for the
         rest (padded to ``n`` chunks of equal size, as a single bucket is).
         """
         single = -(-self.length // self.n)
@@ -120,20 +132,19 @@ class Segment:
 
     @property
     def per_chunk(self) -> int:
-        """Rows (or columns) in one device's chunk of the first bucket."""
+        """Spans in one device's chunk of the first bucket."""
         return self.parts[0][1]
 
     def layout(self, per_chunk: int) -> Segment:
-        """The layout of one bucket of ``per_chunk`` rows (or columns) per
-        chunk: what `take`, `chunk_shape` and `per_chunk` read."""
-        return Segment((), (), self.dtype, self.columns, self.unit, (self.n * per_chunk,),
-                       self.n)
+        """The layout of one bucket of ``per_chunk`` spans per chunk: what
+        `take`, `chunk_shape` and `per_chunk` read."""
+        return dataclasses.replace(self, members=(), shapes=(), spans=(self.n * per_chunk,),
+                                   bucket=None)
 
     @property
+    @abc.abstractmethod
     def chunk_shape(self) -> tuple[int, ...]:
-        if self.columns:
-            return (self.unit, self.per_chunk)
-        return (self.per_chunk * self.unit,)
+        """Shape of one device's chunk."""
 
     def chunks(self, leaves) -> jax.Array:
         """``(n, *chunk_shape)``: the member leaves laid out and cut into chunks.
@@ -143,92 +154,60 @@ class Segment:
         For a column segment this is a strided copy; `laid_out` and `take`
         read one chunk without it.
         """
-        if self.columns:
-            mat = self.laid_out(leaves)
-            return mat.reshape(self.unit, self.n, self.per_chunk).transpose(1, 0, 2)
-        return self.laid_out(leaves)
+        return self.stacked(self.laid_out(leaves))
 
+    @abc.abstractmethod
+    def stacked(self, laid_out: jax.Array) -> jax.Array:
+        """``(n, *chunk_shape)``: the chunks of a `laid_out` array."""
+
+    @abc.abstractmethod
     def take(self, laid_out: jax.Array, j) -> jax.Array:
         """Chunk ``j`` (traced, taken modulo ``n``) of a `laid_out` array."""
-        j = j % self.n
-        if self.columns:
-            return lax.dynamic_slice_in_dim(laid_out, j * self.per_chunk, self.per_chunk, axis=1)
-        return lax.dynamic_index_in_dim(laid_out, j, keepdims=False)
 
     @property
     def _padded(self) -> int:
-        """Rows (or columns) of all buckets, padding included."""
+        """Spans of all buckets, padding included."""
         return sum(count * self.n * per_chunk for count, per_chunk in self.parts)
 
+    @abc.abstractmethod
     def _stream(self, leaves) -> jax.Array:
-        """The members one after the other, padded to `_padded`: a
-        ``(rows, columns)`` matrix of columns side by side, or a flat run of
-        rows."""
-        parts = [jnp.asarray(leaves[i]) for i in self.members]
-        dtype = parts[0].dtype
-        pad = self._padded - self.length
-        if self.columns:
-            mats = [p.reshape(self.unit, s) for p, s in zip(parts, self.spans, strict=True)]
-            if pad:
-                mats.append(jnp.zeros((self.unit, pad), dtype))
-            return mats[0] if len(mats) == 1 else jnp.concatenate(mats, axis=1)
-        flats = []
-        for p, rows in zip(parts, self.spans, strict=True):
-            flat = p.reshape(-1)
-            tail = rows * self.unit - flat.shape[0]
-            flats.append(jnp.pad(flat, (0, tail)) if tail else flat)
-        if pad:
-            flats.append(jnp.zeros((pad * self.unit,), dtype))
-        return flats[0] if len(flats) == 1 else jnp.concatenate(flats)
+        """The members one after the other, padded to `_padded` spans."""
 
     def laid_out(self, leaves) -> jax.Array:
-        """The members side by side: ``(rows, n * c)`` columns for a column
-        segment (chunk ``j`` is columns ``[j c, (j + 1) c)``), else the
-        ``(n, *chunk_shape)`` chunks themselves. One bucket only (see
-        `bucketed`)."""
+        """The members laid out for one bucket's chunks (`take` reads chunk
+        ``j``). One bucket only (see `bucketed`)."""
         self._check_single()
-        stream = self._stream(leaves)
-        return stream if self.columns else stream.reshape((self.n,) + self.chunk_shape)
+        return self._laid_out_stream(self._stream(leaves))
+
+    def _laid_out_stream(self, stream: jax.Array) -> jax.Array:
+        return stream
 
     def bucketed(self, leaves) -> list[jax.Array]:
-        """Per `parts` entry, its buckets stacked: ``(count, n, per_chunk *
-        unit)`` chunks for a row segment, ``(count, rows, n * per_chunk)``
-        side-by-side matrices for a column segment (one copy of the columns,
-        only when there is more than one bucket)."""
+        """Per `parts` entry, its buckets stacked (`_bucket_run`)."""
         stream = self._stream(leaves)
         out, offset = [], 0
         for count, per_chunk in self.parts:
             size = count * self.n * per_chunk
-            if self.columns:
-                part = stream[:, offset:offset + size] if size != stream.shape[1] else stream
-                out.append(part.reshape(self.unit, count, self.n * per_chunk)
-                           .transpose(1, 0, 2))
-            else:
-                part = stream[offset * self.unit:(offset + size) * self.unit]
-                out.append(part.reshape(count, self.n, per_chunk * self.unit))
+            out.append(self._bucket_run(stream, offset, size, count, per_chunk))
             offset += size
         return out
+
+    @abc.abstractmethod
+    def _bucket_run(self, stream, offset: int, size: int, count: int,
+                    per_chunk: int) -> jax.Array:
+        """The ``count`` buckets of ``size`` spans from span ``offset`` of
+        the `_stream`, stacked."""
 
     def leaves(self, chunks: jax.Array) -> list[jax.Array]:
         """Inverse of `chunks`: the members' arrays, padding dropped."""
         self._check_single()
         return self.unbucketed([chunks[None]])
 
+    @abc.abstractmethod
     def unbucketed(self, parts) -> list[jax.Array]:
         """Inverse of `bucketed` for stacked chunks: per `parts` entry an
         array ``(count, n, *chunk_shape)``; returns the members' arrays,
         padding dropped."""
-        axis = 1 if self.columns else 0
-        if self.columns:
-            pieces = [p.transpose(2, 0, 1, 3).reshape(self.unit, -1) for p in parts]
-            sizes = list(self.spans)
-        else:
-            pieces = [p.reshape(-1) for p in parts]
-            sizes = [math.prod(shape) for shape in self.shapes]
-        step = 1 if self.columns else self.unit
-        starts = np.cumsum([0] + [span * step for span in self.spans[:-1]])
-        members = _cut(pieces, [int(start) for start in starts], sizes, axis)
-        return [m.reshape(shape) for m, shape in zip(members, self.shapes, strict=True)]
 
     def _check_single(self) -> None:
         if len(self.parts) != 1 or self.parts[0][0] != 1:
@@ -244,16 +223,70 @@ class Segment:
 
     def bucket_valid(self) -> list[np.ndarray] | None:
         """Per `parts` entry ``(count, n, per_chunk)`` real values per row,
-        or None when every row is whole (or for a column segment)."""
-        if self.columns:
-            return None
+        or None when every row is whole (always for a column segment)."""
+        return None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RowSegment(Segment):
+    """Leaves flattened row-major into rows of ``width`` values (a leaf's
+    last row zero-padded), stacked row after row; a device's chunk is
+    ``per_chunk`` whole rows, one flat array of ``per_chunk * width``."""
+
+    columns: ClassVar[bool] = False
+    width: int
+
+    @property
+    def unit(self) -> int:
+        return self.width
+
+    @property
+    def chunk_shape(self) -> tuple[int, ...]:
+        return (self.per_chunk * self.width,)
+
+    def stacked(self, laid_out: jax.Array) -> jax.Array:
+        return laid_out
+
+    def take(self, laid_out: jax.Array, j) -> jax.Array:
+        return lax.dynamic_index_in_dim(laid_out, j % self.n, keepdims=False)
+
+    def _stream(self, leaves) -> jax.Array:
+        """A flat run of the members' rows, padded to `_padded` rows."""
+        parts = [jnp.asarray(leaves[i]) for i in self.members]
+        flats = []
+        for p, rows in zip(parts, self.spans, strict=True):
+            flat = p.reshape(-1)
+            tail = rows * self.width - flat.shape[0]
+            flats.append(jnp.pad(flat, (0, tail)) if tail else flat)
+        pad = self._padded - self.length
+        if pad:
+            flats.append(jnp.zeros((pad * self.width,), parts[0].dtype))
+        return flats[0] if len(flats) == 1 else jnp.concatenate(flats)
+
+    def _laid_out_stream(self, stream: jax.Array) -> jax.Array:
+        """The ``(n, *chunk_shape)`` chunks themselves."""
+        return stream.reshape((self.n,) + self.chunk_shape)
+
+    def _bucket_run(self, stream, offset, size, count, per_chunk):
+        """``(count, n, per_chunk * width)`` chunks."""
+        part = stream[offset * self.width:(offset + size) * self.width]
+        return part.reshape(count, self.n, per_chunk * self.width)
+
+    def unbucketed(self, parts) -> list[jax.Array]:
+        pieces = [p.reshape(-1) for p in parts]
+        starts = np.cumsum([0] + [span * self.width for span in self.spans[:-1]])
+        members = _cut(pieces, [int(s) for s in starts],
+                       [math.prod(shape) for shape in self.shapes], axis=0)
+        return [m.reshape(shape) for m, shape in zip(members, self.shapes, strict=True)]
+
+    def bucket_valid(self) -> list[np.ndarray] | None:
         counts = []
         partial = False
         for shape, rows in zip(self.shapes, self.spans, strict=True):
-            row = np.full(rows, self.unit, np.int32)
+            row = np.full(rows, self.width, np.int32)
             if rows:
-                row[-1] = math.prod(shape) - (rows - 1) * self.unit
-                partial |= bool(row[-1] != self.unit)
+                row[-1] = math.prod(shape) - (rows - 1) * self.width
+                partial |= bool(row[-1] != self.width)
             counts.append(row)
         if not partial:  # padding rows are all zeros: no statistic is biased
             return None
@@ -265,6 +298,53 @@ class Segment:
             out.append(flat[offset:offset + size].reshape(count, self.n, per_chunk))
             offset += size
         return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ColumnSegment(Segment):
+    """Leaves viewed as ``(rows, cols)`` matrices placed side by side; a
+    device's chunk is ``per_chunk`` whole columns, a ``(rows, per_chunk)``
+    matrix read straight from the side-by-side matrix (`take`)."""
+
+    columns: ClassVar[bool] = True
+    rows: int
+
+    @property
+    def unit(self) -> int:
+        return self.rows
+
+    @property
+    def chunk_shape(self) -> tuple[int, ...]:
+        return (self.rows, self.per_chunk)
+
+    def stacked(self, laid_out: jax.Array) -> jax.Array:
+        return laid_out.reshape(self.rows, self.n, -1).transpose(1, 0, 2)
+
+    def take(self, laid_out: jax.Array, j) -> jax.Array:
+        return lax.dynamic_slice_in_dim(laid_out, (j % self.n) * self.per_chunk,
+                                        self.per_chunk, axis=1)
+
+    def _stream(self, leaves) -> jax.Array:
+        """The ``(rows, _padded)`` matrix of the members' columns side by
+        side (chunk ``j`` of one bucket is columns ``[j c, (j + 1) c)``)."""
+        parts = [jnp.asarray(leaves[i]) for i in self.members]
+        mats = [p.reshape(self.rows, s) for p, s in zip(parts, self.spans, strict=True)]
+        pad = self._padded - self.length
+        if pad:
+            mats.append(jnp.zeros((self.rows, pad), parts[0].dtype))
+        return mats[0] if len(mats) == 1 else jnp.concatenate(mats, axis=1)
+
+    def _bucket_run(self, stream, offset, size, count, per_chunk):
+        """``(count, rows, n * per_chunk)`` side-by-side matrices (one copy of
+        the columns, only when there is more than one bucket)."""
+        part = stream[:, offset:offset + size] if size != stream.shape[1] else stream
+        return part.reshape(self.rows, count, self.n * per_chunk).transpose(1, 0, 2)
+
+    def unbucketed(self, parts) -> list[jax.Array]:
+        pieces = [p.transpose(2, 0, 1, 3).reshape(self.rows, -1) for p in parts]
+        starts = np.cumsum([0] + list(self.spans[:-1]))
+        members = _cut(pieces, [int(s) for s in starts], list(self.spans), axis=1)
+        return [m.reshape(shape) for m, shape in zip(members, self.shapes, strict=True)]
 
 
 def _cut(pieces, starts, sizes, axis: int) -> list[jax.Array]:
@@ -317,7 +397,7 @@ def _units(shape, grouping: str, block: int, n: int) -> tuple[bool, int, int]:
     return False, width, -(-size // width)
 
 
-def plan_segments(leaves, grouping: str = "element", block: int = 1, n: int = 1, *,
+def plan_segments(leaves, grouping: Grouping = "element", block: int = 1, n: int = 1, *,
                   fuse: bool = True, bucket_bytes: int | None = BUCKET_BYTES
                   ) -> list[Segment]:
     """Lays out ``leaves`` (arrays or shape/dtype structs) into segments.
@@ -365,8 +445,16 @@ def plan_segments(leaves, grouping: str = "element", block: int = 1, n: int = 1,
         current["members"].append(i)
         current["shapes"].append(shape)
         current["spans"].append(span)
-    return [Segment(tuple(s["members"]), tuple(s["shapes"]), s["key"][0], s["key"][1],
-                    s["key"][2], tuple(s["spans"]), n, s["bucket"]) for s in segments]
+    return [_segment(s["key"], members=tuple(s["members"]), shapes=tuple(s["shapes"]),
+                     spans=tuple(s["spans"]), n=n, bucket=s["bucket"]) for s in segments]
+
+
+def _segment(key: tuple, **fields) -> Segment:
+    """The segment of ``key = (dtype, columns, unit)`` (`_units`)."""
+    dtype, columns, unit = key
+    if columns:
+        return ColumnSegment(dtype=dtype, rows=unit, **fields)
+    return RowSegment(dtype=dtype, width=unit, **fields)
 
 
 def leaf_chunks(x, compressor, num_devices: int):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import jax.numpy as jnp
 import numpy as np
@@ -51,7 +51,7 @@ class OneBitCompressor(Compressor):
     setting_names: ClassVar[tuple[str, ...]] = ("grouping", "bucket_size", "sample")
 
 
-def onebit(*, grouping: str = "bucket", bucket_size: int = 64,
+def onebit(*, grouping: Literal["bucket", "column"] = "bucket", bucket_size: int = 64,
            sample: int | None = None) -> OneBitCompressor:
     """Seide 1-bit quantization: one sign bit per value, two means per group.
 
@@ -96,11 +96,15 @@ def onebit(*, grouping: str = "bucket", bucket_size: int = 64,
       ValueError: a setting outside the values above.
 
     References:
-      Seide, Fu, Droppo, Li, Yu, "1-bit stochastic gradient descent and its
-      application to data-parallel distributed training of speech DNNs",
-      INTERSPEECH 2014, pp. 1058-1062; Dryden et al., "Communication
-      Quantization for Data-parallel Training of Deep Neural Networks"
-      (MLHPC 2016), section 3.1; Grubic et al. (EDBT 2018), Algorithm 2 and
+      Seide, Fu, Droppo, Li, Yu, `1-bit stochastic gradient descent and its
+      application to data-parallel distributed training of speech DNNs
+      <https://doi.org/10.21437/Interspeech.2014-274>`_, INTERSPEECH 2014;
+      Dryden, Moon, Jacobs, Van Essen, `Communication Quantization for
+      Data-parallel Training of Deep Neural Networks
+      <https://doi.org/10.1109/MLHPC.2016.004>`_, MLHPC 2016, section 3.1;
+      Grubic, Tam, Alistarh, Zhang, `Synchronous Multi-GPU Deep Learning with
+      Low-Precision Communication: An Experimental Study
+      <https://doi.org/10.3929/ethz-b-000319485>`_, EDBT 2018, Algorithm 2 and
       sections 3.2.1-3.2.2.
 
     Example:

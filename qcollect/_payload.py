@@ -18,6 +18,8 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 
+from qcollect._layout import Grouping
+
 __all__ = ["Compressor", "Payload", "payload_bytes"]
 
 
@@ -148,7 +150,7 @@ class Compressor:
     linear: bool
     stochastic: bool
     block: int = 1
-    grouping: str = "element"
+    grouping: Grouping = "element"
     masks_padding: bool = False
     settings: tuple[tuple[str, Any], ...] = ()
     encode_decoded: Callable[..., tuple[Payload, jax.Array]] | None = dataclasses.field(

@@ -49,7 +49,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -203,7 +203,7 @@ def _check_samples(samples, slice_size: int, host: bool) -> jax.Array:
 
 def pca_fit(samples, *, slice_size: int, loss_threshold: float | None = None,
             rank: int | None = None, max_rank: int | None = None,
-            slices: str = "first") -> PCAFit:
+            slices: Literal["first", "all"] = "first") -> PCAFit:
     """Fits GradiVeQ's compressor ``U_d`` and whitening vector ``mu`` (section 3).
 
     ``samples`` holds ``L_t`` samples of the aggregated gradient (the sum over
@@ -249,10 +249,11 @@ def pca_fit(samples, *, slice_size: int, loss_threshold: float | None = None,
         host planning on traced samples.
 
     References:
-      Yu et al., "GradiVeQ: Vector Quantization for Bandwidth-Efficient
-      Gradient Aggregation in Distributed CNN Training" (NeurIPS 2018),
-      section 2 (PCA after eq. 5) and section 3 ("Compressor dimension d",
-      eq. 6; "Slice size K").
+      Yu et al., `GradiVeQ: Vector Quantization for Bandwidth-Efficient
+      Gradient Aggregation in Distributed CNN Training
+      <https://arxiv.org/abs/1811.03617>`_, NeurIPS 2018, section 2 (PCA
+      after eq. 5) and section 3 ("Compressor dimension d", eq. 6; "Slice
+      size K").
 
     Example:
       >>> import jax, jax.numpy as jnp, qcollect as qc
@@ -381,9 +382,10 @@ def pca(basis, mean=None, *, num_workers: int) -> PCACompressor:
         another shape than above.
 
     References:
-      Yu et al., "GradiVeQ: Vector Quantization for Bandwidth-Efficient
-      Gradient Aggregation in Distributed CNN Training" (NeurIPS 2018),
-      section 2, eq. (1) and (3)-(5), Fig. 3, Algorithm 1.
+      Yu et al., `GradiVeQ: Vector Quantization for Bandwidth-Efficient
+      Gradient Aggregation in Distributed CNN Training
+      <https://arxiv.org/abs/1811.03617>`_, NeurIPS 2018, section 2,
+      eq. (1) and (3)-(5), Fig. 3, Algorithm 1.
 
     Example:
       >>> import jax.numpy as jnp, qcollect as qc

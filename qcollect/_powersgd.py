@@ -62,7 +62,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
@@ -96,6 +96,8 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 _VIEWS = ("last", "first")
+#: How an array is viewed as a matrix (`powersgd_matrix_shape`).
+MatrixView = Literal["last", "first"]
 
 
 def _view_shape(shape, view: str) -> tuple[int, int]:
@@ -107,7 +109,7 @@ def _view_shape(shape, view: str) -> tuple[int, int]:
     return (shape[0], math.prod(shape[1:]))
 
 
-def powersgd_matrix_shape(shape, *, view: str = "last") -> tuple[int, int]:
+def powersgd_matrix_shape(shape, *, view: MatrixView = "last") -> tuple[int, int]:
     """The ``(n, m)`` matrix view of a leaf.
 
     A vector ``(n,)`` is ``(n, 1)`` and a scalar ``(1, 1)`` in both views.
@@ -136,7 +138,7 @@ def powersgd_matrix_shape(shape, *, view: str = "last") -> tuple[int, int]:
     return _view_shape(shape, view)
 
 
-def powersgd_matrix(x, *, view: str = "last") -> jax.Array:
+def powersgd_matrix(x, *, view: MatrixView = "last") -> jax.Array:
     """``x`` as its float32 ``(n, m)`` matrix view (see `powersgd_matrix_shape`).
 
     Undo it with ``m.reshape(x.shape).astype(x.dtype)``.
@@ -145,7 +147,7 @@ def powersgd_matrix(x, *, view: str = "last") -> jax.Array:
     return x.reshape(_view_shape(x.shape, view)).astype(jnp.float32)
 
 
-def powersgd_rank(shape, rank: int, *, view: str = "last") -> int:
+def powersgd_rank(shape, rank: int, *, view: MatrixView = "last") -> int:
     """The rank PyTorch uses for a leaf: ``min(n, m, rank)`` of its ``view``."""
     rank = check_int("rank", rank, low=1)
     n, m = _view_shape(shape, view)
@@ -153,7 +155,7 @@ def powersgd_rank(shape, rank: int, *, view: str = "last") -> int:
 
 
 def powersgd_should_compress(shape, rank: int, *, min_compression_rate: float = 2.0,
-                             view: str = "last") -> bool:
+                             view: MatrixView = "last") -> bool:
     """Whether a leaf is worth compressing (PyTorch's ``_should_compress``).
 
     True for leaves of two or more dimensions whose ``(n, m)`` view satisfies
@@ -450,7 +452,7 @@ def powersgd_reconstruct(p, q, *, stacked: bool = True):
 
 
 def powersgd_init(key, shape, rank: int, *, epsilon: float = 1e-8,
-                  view: str = "last") -> jax.Array:
+                  view: MatrixView = "last") -> jax.Array:
     """A first ``Q`` for a leaf: orthogonalized standard normal, ``(m, r)`` float32.
 
     ``(n, m) = powersgd_matrix_shape(shape, view=view)`` and ``r =
@@ -480,13 +482,14 @@ class PowerSGDCompressor(Compressor):
     """
 
     factor: Any
-    side: str
-    view: str
+    side: Literal["right", "left"]
+    view: MatrixView
 
     setting_names: ClassVar[tuple[str, ...]] = ("factor", "side", "view")
 
 
-def powersgd(factor, *, side: str = "right", view: str = "last") -> PowerSGDCompressor:
+def powersgd(factor, *, side: Literal["right", "left"] = "right",
+             view: MatrixView = "last") -> PowerSGDCompressor:
     """One half of a PowerSGD step as a linear compressor with a shared factor.
 
     The input ``x`` is viewed as ``M`` of shape ``(n, m)``
@@ -521,8 +524,11 @@ def powersgd(factor, *, side: str = "right", view: str = "last") -> PowerSGDComp
       compressor.
 
     References:
-      Vogels et al., PowerSGD, Algorithm 1 (one power iteration with warm
-      start); PyTorch ``powerSGD_hook``.
+      Vogels, Karimireddy, Jaggi, `PowerSGD: Practical Low-Rank Gradient
+      Compression for Distributed Optimization
+      <https://arxiv.org/abs/1905.13727>`_, NeurIPS 2019,
+      Algorithm 1 (one power iteration with warm start); PyTorch
+      ``powerSGD_hook``.
 
     Example:
       >>> import jax, jax.numpy as jnp, qcollect as qc
@@ -545,7 +551,7 @@ def powersgd(factor, *, side: str = "right", view: str = "last") -> PowerSGDComp
                               stochastic=False, factor=factor, side=side, view=view)
 
 
-def _encode(x, key=None, *, name: str, f, side: str, view: str) -> Payload:
+def _encode(x, key=None, *, name: str, f, side: str, view: MatrixView) -> Payload:
     """``{"p": M Q}`` (right) or ``{"q": M^T P}`` (left) of ``x``'s matrix view."""
     x = jnp.asarray(x)
     check_floating_input(x)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import jax.numpy as jnp
 
@@ -40,12 +40,13 @@ class QSGDCompressor(Compressor):
 
     bits: int
     bucket_size: int | None
-    norm: str
+    norm: Literal["max", "l2"]
 
     setting_names: ClassVar[tuple[str, ...]] = ("bits", "bucket_size", "norm", "stochastic")
 
 
-def qsgd(*, bits: int = 4, bucket_size: int | None | str = "default", norm: str = "max",
+def qsgd(*, bits: int = 4, bucket_size: int | Literal["default"] | None = "default",
+         norm: Literal["max", "l2"] = "max",
          stochastic: bool = True) -> QSGDCompressor:
     """QSGD: a sign bit and ``bits - 1`` bits of level per value, one scale per bucket.
 
@@ -86,11 +87,13 @@ def qsgd(*, bits: int = 4, bucket_size: int | None | str = "default", norm: str 
       ValueError: a setting outside the values above.
 
     References:
-      Alistarh, Grubic, Li, Tomioka, Vojnovic, "QSGD: Communication-efficient
-      SGD via gradient quantization and encoding", NIPS 2017, pp. 1707-1718;
-      Grubic et al., "Synchronous Multi-GPU Deep Learning with Low-Precision
-      Communication: An Experimental Study" (EDBT 2018), eq. (1), sections
-      3.2.2 and 4.
+      Alistarh, Grubic, Li, Tomioka, Vojnovic, `QSGD: Communication-Efficient
+      SGD via Gradient Quantization and Encoding
+      <https://arxiv.org/abs/1610.02132>`_, NeurIPS 2017;
+      Grubic, Tam, Alistarh, Zhang, `Synchronous Multi-GPU Deep Learning with
+      Low-Precision Communication: An Experimental Study
+      <https://doi.org/10.3929/ethz-b-000319485>`_, EDBT 2018, eq. (1),
+      sections 3.2.2 and 4.
 
     Example:
       >>> import jax, jax.numpy as jnp, qcollect as qc

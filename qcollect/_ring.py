@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from qcollect import _backend
-from qcollect._buckets import UNROLL_BUCKETS, check_unroll, reduce_buckets
+from qcollect._buckets import BATCH_BUCKETS, BatchBuckets, check_batch_buckets, reduce_buckets
 from qcollect._layout import BUCKET_BYTES, plan_segments
 from qcollect._messages import send_packed
 from qcollect._result import AllReduceResult
@@ -225,7 +225,7 @@ def ring_all_gather(x: jax.Array, axis_name) -> jax.Array:
 
 
 def ring_all_reduce(x, axis_name, *, bucket_bytes: int | None = BUCKET_BYTES,
-                    unroll_buckets: int | str | None = UNROLL_BUCKETS):
+                    batch_buckets: BatchBuckets = BATCH_BUCKETS):
     """Ring all-reduce (sum) of an array or pytree: equals ``lax.psum``.
 
     Every leaf is flattened, zero-padded to a multiple of N, scatter-reduced
@@ -239,7 +239,7 @@ def ring_all_reduce(x, axis_name, *, bucket_bytes: int | None = BUCKET_BYTES,
       bucket_bytes: bucket size (default 4 MiB); a leaf of that
         size or more runs its own ring, without a concatenation copy. None:
         one ring per dtype.
-      unroll_buckets: which classes of equal buckets (full buckets of
+      batch_buckets: which classes of equal buckets (full buckets of
         fused leaves, leaves of one shape reduced alone) run as one batch,
         each hop one message for all of them, as in `compressed_all_reduce`
         (default ``"auto"``: buckets of at most 4 MiB; `qc.runs_batched`).
@@ -263,7 +263,7 @@ def ring_all_reduce(x, axis_name, *, bucket_bytes: int | None = BUCKET_BYTES,
     leaves = [jnp.asarray(leaf) for leaf in leaves]
     out = [None] * len(leaves)
     n = _ring_size(axis_name)
-    unroll_buckets = check_unroll(unroll_buckets)
+    batch_buckets = check_batch_buckets(batch_buckets)
 
     def reduce_bucket(chunks, valid, residual, *, key, layout):
         del valid, residual, key, layout
@@ -274,7 +274,7 @@ def ring_all_reduce(x, axis_name, *, bucket_bytes: int | None = BUCKET_BYTES,
     # Equal buckets run as one batch, as in `compressed_all_reduce`.
     segments = plan_segments(leaves, n=n, bucket_bytes=bucket_bytes)
     reduced = reduce_buckets(segments, leaves, None, key=None, masks_padding=False,
-                             reduce_bucket=reduce_bucket, unroll=unroll_buckets)
+                             reduce_bucket=reduce_bucket, batch_buckets=batch_buckets)
     for seg, result in zip(segments, reduced, strict=True):
         sums = (seg.unbucketed(result.value) if seg.length else
                 [jnp.zeros(leaves[m].shape, leaves[m].dtype) for m in seg.members])

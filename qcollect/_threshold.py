@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import jax.numpy as jnp
 
 from qcollect._config import check_float, check_floating_input
-from qcollect._golomb import check_coding, decode_entries, encode_entries
+from qcollect._golomb import Coding, check_coding, decode_entries, encode_entries
 from qcollect._payload import Compressor, Payload, check_format
 from qcollect._sparse import (
     check_capacity,
@@ -44,13 +44,13 @@ class ThresholdCompressor(Compressor):
 
     tau: float
     capacity: int | float
-    coding: str
+    coding: Coding
     rice_k: int | None
 
     setting_names: ClassVar[tuple[str, ...]] = ("tau", "capacity", "coding", "rice_k")
 
 
-def threshold(tau: float, *, capacity: int | float = 1 / 32, coding: str = "words",
+def threshold(tau: float, *, capacity: int | float = 1 / 32, coding: Coding = "words",
               rice_k: int | None = None) -> ThresholdCompressor:
     """Threshold quantization: entries with ``|v| > tau`` travel as ``+-tau``.
 
@@ -106,10 +106,10 @@ def threshold(tau: float, *, capacity: int | float = 1 / 32, coding: str = "word
       ValueError: a setting outside the values above.
 
     References:
-      Strom, "Scalable distributed DNN training using commodity GPU cloud
-      computing", INTERSPEECH 2015; Dryden et al., "Communication
-      Quantization for Data-parallel Training of Deep Neural Networks"
-      (MLHPC 2016), section 3.2; Rice and Plaunt (1971) for the code.
+      Strom, `Scalable distributed DNN training using commodity GPU cloud
+      computing <https://doi.org/10.21437/Interspeech.2015-354>`_,
+      INTERSPEECH 2015; Dryden et al., MLHPC 2016, section 3.2
+      <https://doi.org/10.1109/MLHPC.2016.004>; Rice and Plaunt (1971).
 
     Example:
       >>> import jax.numpy as jnp, qcollect as qc

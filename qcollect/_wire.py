@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import Literal
 
 import jax
 
@@ -186,7 +187,7 @@ def _parse(hlo: str):
     return comps, shapes, entry, default_group
 
 
-def wire_report(fn, *args, branches: str = "max", **kwargs) -> list[WireOp]:
+def wire_report(fn, *args, branches: Literal["max", "min"] = "max", **kwargs) -> list[WireOp]:
     """The collectives of ``jax.jit(fn)(*args)`` with their bytes per device.
 
     ``branches``: ``"max"`` or ``"min"``, which branch of each conditional
@@ -223,7 +224,7 @@ def _holds_collective(comp: str, comps, memo: dict[str, bool]) -> bool:
     return memo[comp]
 
 
-def report_from_hlo(hlo: str, branches: str = "max") -> list[WireOp]:
+def report_from_hlo(hlo: str, branches: Literal["max", "min"] = "max") -> list[WireOp]:
     pick = max if branches == "max" else min
     comps, shapes, entry, default_group = _parse(hlo)
     ops: list[WireOp] = []
@@ -285,7 +286,7 @@ def report_from_hlo(hlo: str, branches: str = "max") -> list[WireOp]:
     return ops
 
 
-def wire_bytes(fn, *args, branches: str = "max", **kwargs) -> int:
+def wire_bytes(fn, *args, branches: Literal["max", "min"] = "max", **kwargs) -> int:
     """Bytes each device sends in the collectives of the compiled ``fn(*args)``.
 
     Measured from the optimised HLO of ``jax.jit(fn)`` (see the module
@@ -334,7 +335,8 @@ def _axes_of(groups, mesh) -> tuple[str, ...]:
     return tuple(name for k, name in enumerate(mesh.axis_names) if k in axes)
 
 
-def wire_bytes_by_axis(fn, *args, mesh=None, branches: str = "max", **kwargs) -> dict:
+def wire_bytes_by_axis(fn, *args, mesh=None, branches: Literal["max", "min"] = "max",
+                       **kwargs) -> dict:
     """`wire_bytes` split by the mesh axes each collective runs over.
 
     Each collective's device groups (replica groups, or a collective-permute's

@@ -55,12 +55,13 @@ def test_profile_needs_runs(capsys):
     assert "--profile must be 0 or more and needs --runs" in capsys.readouterr().err
 
 
-def test_method_unroll_suffix():
+def test_method_batch_suffix():
     import qcollect as qc
 
-    assert compile_bench.parse_method("qsgd-4")[2] == qc.UNROLL_BUCKETS
-    assert compile_bench.parse_method("qsgd-4/pairwise@0")[1:] == ("pairwise", 0)
-    assert compile_bench.parse_method("onebit@none")[2] is None
+    assert compile_bench.parse_method("qsgd-4")[2] == qc.BATCH_BUCKETS
+    assert compile_bench.parse_method("qsgd-4/pairwise@always")[1:] == ("pairwise", "always")
+    assert compile_bench.parse_method("onebit@never")[2] == "never"
+    assert compile_bench.parse_method("onebit@3")[2] == 3
     assert compile_bench.parse_method("onebit@auto")[2] == "auto"
 
 
@@ -69,8 +70,9 @@ def test_method_unroll_suffix():
     ("qsgd-4/tree", "unknown algorithm 'tree'"),
     ("qsgd-4/ring", "linear compressor"),
     ("psum/ring", "psum takes no algorithm"),
-    ("psum@0", "psum takes no algorithm or unroll"),
-    ("qsgd-4@-1", "must be 'auto', an int >= 0 or 'none'"),
+    ("psum@always", "psum takes no algorithm or batch_buckets"),
+    ("qsgd-4@-1", "must be 'auto', 'always', 'never' or an int >= 0"),
+    ("qsgd-4@none", "must be 'auto', 'always', 'never' or an int >= 0"),
 ])
 def test_unknown_method_is_an_argument_error_naming_it(methods, message, capsys):
     with pytest.raises(SystemExit) as e:

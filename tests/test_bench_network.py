@@ -70,7 +70,7 @@ def test_launch_command_runs_this_file_under_the_launcher():
     (["--nproc", "0"], "--nproc"),
     (["--pipeline", "0"], "--pipeline"),
     (["--pipeline", "two"], "--pipeline"),
-    (["--unroll", "some"], "--unroll"),
+    (["--batch-buckets", "some"], "--batch-buckets"),
     (["--leaves", "0"], "--leaves"),
     (["--bucket-mib", "0"], "--bucket-mib"),
     (["--devices-per-process", "0"], "--devices-per-process"),
@@ -163,24 +163,24 @@ def test_pipeline_counts_name_one_row_per_compressed_method_and_count():
 
     assert _network.variants(["psum", "ring", "onebit", "pca"], [1, 4]) == [
         "psum", "ring", "onebit", "onebit/p4", "pca", "pca/p4"]
-    assert _network.variants(["psum", "onebit"], [1, 4], unrolls=("0", "none")) == [
-        "psum", "onebit@0", "onebit@none", "onebit/p4@0", "onebit/p4@none"]
+    assert _network.variants(["psum", "onebit"], [1, 4], batches=("always", "never")) == [
+        "psum", "onebit@always", "onebit@never", "onebit/p4@always", "onebit/p4@never"]
 
 
 @pytest.mark.slow  # two processes; the batch == traced equivalence runs in tests/test_buckets.py
 def test_a_batch_of_equal_buckets_beside_the_program_traced_per_bucket(tmp_path):
-    """Four leaves of one 64 KiB bucket each: @0 reduces them as one batch,
-    @none bucket by bucket; the same bytes and the same draws, so the same sums."""
+    """Four leaves of one 64 KiB bucket each: @always reduces them as one
+    batch, @never bucket by bucket; the same bytes and the same draws, so the same sums."""
     out = tmp_path / "net"
     run = _bench("--nproc", "2", "--bandwidth", "none", "--sizes", "0.25", "--leaves", "4",
-                 "--bucket-mib", "0.0625", "--unroll", "0,none", "--repeats", "2",
+                 "--bucket-mib", "0.0625", "--batch-buckets", "always,never", "--repeats", "2",
                  "--methods", "psum,qsgd-4", "--out", str(out))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     with open(out.with_suffix(".csv")) as f:
         rows = {r["method"]: r for r in csv.DictReader(f)}
-    assert set(rows) == {"psum", "qsgd-4@0", "qsgd-4@none"}
+    assert set(rows) == {"psum", "qsgd-4@always", "qsgd-4@never"}
     assert all(int(r["leaves"]) == 4 and float(r["median_ms"]) > 0 for r in rows.values())
-    batch, traced = rows["qsgd-4@0"], rows["qsgd-4@none"]
+    batch, traced = rows["qsgd-4@always"], rows["qsgd-4@never"]
     assert int(batch["wire_bytes"]) == int(traced["wire_bytes"]) > 0
     assert 0 < float(batch["relative_error"]) < 1
     assert float(batch["relative_error"]) == pytest.approx(float(traced["relative_error"]),

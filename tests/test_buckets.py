@@ -4,8 +4,8 @@ A tree of small leaves (a fused segment of many equal buckets and a shorter
 last one) and two equal large leaves (reduced alone, stacked into one batch)
 is reduced with 1 KiB buckets and as one bucket: the results are the
 same, the program does not grow with the number of buckets once they run
-as a batch (``unroll_buckets=0``, the default), and the wire bytes count
-every bucket, batched or traced once per bucket (``unroll_buckets=None``).
+as a batch (``batch_buckets="always"``), and the wire bytes count every
+bucket, batched or traced once per bucket (``batch_buckets="never"``).
 """
 
 import functools
@@ -64,7 +64,8 @@ def test_buckets_give_the_results_of_one_bucket():
     but the order in which the owner adds the decoded payloads (rounding)."""
     single, batch, unrolled = _reductions(
         ONEBIT, {"bucket_bytes": None, "algorithm": "pairwise"},
-        *({"bucket_bytes": CAP, "algorithm": "pairwise", "unroll_buckets": u} for u in (0, None))
+        *({"bucket_bytes": CAP, "algorithm": "pairwise", "batch_buckets": b}
+          for b in ("always", "never"))
     )(_tree(SMALL + LARGE))
     # value and contributed per device; the owner errors sit at the chunks
     # each device owns, which the layout decides: their sum over devices.
@@ -96,8 +97,9 @@ def test_the_batch_computes_what_the_unrolled_program_computes(compressor, algor
     on whether its class runs as a batch, so both programs give the same
     value, contributed and owner error (up to rounding)."""
     tree = [leaf.astype(dtype) for leaf in _tree(SMALL + LARGE)]
-    batch, unrolled = _reductions(compressor, *({"bucket_bytes": CAP, "algorithm": algorithm,
-                                                 "unroll_buckets": u} for u in (0, None)))(tree)
+    settings = ({"bucket_bytes": CAP, "algorithm": algorithm, "batch_buckets": b}
+                for b in ("always", "never"))
+    batch, unrolled = _reductions(compressor, *settings)(tree)
     for a, b in zip(jax.tree.leaves(batch), jax.tree.leaves(unrolled), strict=True):
         assert a.dtype == b.dtype
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
@@ -116,8 +118,8 @@ def test_the_batch_of_layer_sized_leaves_computes_what_the_traced_program_comput
     keys = jax.random.split(jax.random.key(5), len(shapes))
     tree = [jax.random.normal(k, (n,) + s) * 10.0 ** (-(i % 3) - 2)
             for i, (k, s) in enumerate(zip(keys, shapes, strict=True))]
-    batch, traced = per_device(lambda t: [_reduced(t, compressor, {"unroll_buckets": u})
-                                          for u in (0, None)], n)(tree)
+    batch, traced = per_device(lambda t: [_reduced(t, compressor, {"batch_buckets": u})
+                                          for u in ("always", "never")], n)(tree)
     for a, b in zip(jax.tree.leaves(batch), jax.tree.leaves(traced), strict=True):
         assert np.isfinite(np.asarray(a)).all()
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-9)
@@ -130,7 +132,7 @@ def test_stochastic_buckets_draw_independent_streams_and_stay_unbiased():
     tree = [row, row]  # two equal leaves: two equal large-leaf buckets in one batch
     c = qc.qsgd(bits=2, bucket_size=16)
     fn = per_device(lambda t, k: qc.compressed_all_reduce(t, "d", c, k, bucket_bytes=128,
-                                                          unroll_buckets=0).value, N)
+                                                          batch_buckets="always").value, N)
     outs = [fn(tree, jnp.stack([k] * N)) for k in jax.random.split(jax.random.key(1), 40)]
     assert not np.array_equal(np.asarray(outs[0][0]), np.asarray(outs[0][1]))
     mean = np.mean([np.asarray(o[0])[0] for o in outs], axis=0)
@@ -145,14 +147,14 @@ def _collective_ops(fn, tree) -> int:
 
 def test_the_program_does_not_grow_with_the_buckets_of_a_batch():
     # 2 full buckets and a last one, or 7 and a last one of the same shape
-    batch = _reduce(ONEBIT, CAP, algorithm="pairwise", unroll_buckets=0)
+    batch = _reduce(ONEBIT, CAP, algorithm="pairwise", batch_buckets="always")
     ops = _collective_ops(batch, _tree(SMALL))
     assert ops == _collective_ops(batch, _tree(SMALL * 3)) > 0
-    # a class of up to unroll_buckets is traced once per bucket: 7 full buckets
-    # are, with unroll_buckets=7, and run as one batch with 6
-    unrolled = _reduce(ONEBIT, CAP, algorithm="pairwise", unroll_buckets=7)
+    # a class of up to batch_buckets is traced once per bucket: 7 full buckets
+    # are, with batch_buckets=7, and run as one batch with 6
+    unrolled = _reduce(ONEBIT, CAP, algorithm="pairwise", batch_buckets=7)
     assert _collective_ops(unrolled, _tree(SMALL * 3)) > _collective_ops(unrolled, _tree(SMALL))
-    six = _reduce(ONEBIT, CAP, algorithm="pairwise", unroll_buckets=6)
+    six = _reduce(ONEBIT, CAP, algorithm="pairwise", batch_buckets=6)
     assert _collective_ops(six, _tree(SMALL * 3)) == ops
 
 
@@ -201,18 +203,19 @@ def test_ring_all_reduce_of_many_buckets():
     """ring_all_reduce batches equal buckets too (the fused stream's, and the
     equal large leaves reduced alone): exact sums either way."""
     tree = _tree(SMALL * 3 + LARGE)
-    for unroll in (0, None):
+    for unroll in ("always", "never"):
         fn = per_device(lambda t, u=unroll: qc.ring_all_reduce(t, "d", bucket_bytes=CAP,
-                                                               unroll_buckets=u), N)
+                                                               batch_buckets=u), N)
         for got, leaf in zip(fn(tree), tree, strict=True):
             np.testing.assert_allclose(np.asarray(got)[0], np.asarray(leaf).sum(0),
                                        rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("value", [-1, 1.5, True, "16", "Auto"])
-def test_unroll_buckets_is_checked(value):
-    with pytest.raises(ValueError, match="unroll_buckets must be 'auto', None or an integer"):
-        _reduce(ONEBIT, CAP, unroll_buckets=value)(_tree(SMALL))
+@pytest.mark.parametrize("value", [-1, 1.5, True, None, "16", "Auto", "batch"])
+def test_batch_buckets_is_checked(value):
+    with pytest.raises(ValueError,
+                       match="batch_buckets must be 'auto', 'always', 'never' or an integer"):
+        _reduce(ONEBIT, CAP, batch_buckets=value)(_tree(SMALL))
 
 
 def _ppermutes(shapes, **kwargs) -> int:
@@ -228,7 +231,7 @@ def _ppermutes(shapes, **kwargs) -> int:
 
 
 def test_auto_batches_small_buckets_and_large_leaves_one_by_one():
-    """``unroll_buckets="auto"`` (the default): equal buckets of at most 4 MiB
+    """``batch_buckets="auto"`` (the default): equal buckets of at most 4 MiB
     run as one batch; leaves over 4 MiB reduced alone are traced one by one,
     up to 16 of one shape, and batched beyond that."""
     small, large = (1 << 20,), (3 << 20,)            # 4 MiB and 12 MiB of float32
@@ -238,18 +241,18 @@ def test_auto_batches_small_buckets_and_large_leaves_one_by_one():
     assert _ppermutes([large] * 3) == 3 * one                    # one by one
     assert _ppermutes([large] * 16) == 16 * one
     assert _ppermutes([large] * 17) == one                       # one batch
-    assert _ppermutes([large] * 3, unroll_buckets=0) == one
-    assert _ppermutes([small] * 6, unroll_buckets=None) == 6 * one
+    assert _ppermutes([large] * 3, batch_buckets="always") == one
+    assert _ppermutes([small] * 6, batch_buckets="never") == 6 * one
     assert qc.runs_batched(2, qc.AUTO_BATCH_BYTES) and not qc.runs_batched(
         2, qc.AUTO_BATCH_BYTES + 1)
-    assert qc.runs_batched(qc.AUTO_UNROLL_LIMIT + 1, 1 << 30)
+    assert qc.runs_batched(qc.AUTO_TRACE_LIMIT + 1, 1 << 30)
 
 
-@pytest.mark.parametrize("unroll", [0, None], ids=["batch", "unrolled"])
+@pytest.mark.parametrize("unroll", ["always", "never"], ids=["batch", "unrolled"])
 @pytest.mark.parametrize("compressor", [ONEBIT, qc.qsgd(bits=4, bucket_size=16)])
 def test_wire_bytes_count_every_bucket(compressor, unroll):
     tree = _tree(SMALL + LARGE)
-    fn = _reduce(compressor, CAP, algorithm="pairwise", unroll_buckets=unroll)
+    fn = _reduce(compressor, CAP, algorithm="pairwise", batch_buckets=unroll)
     sent = qc.wire_bytes(fn.mapped, *fn.shard(tree))
     want = 0
     for seg in plan_segments([leaf[0] for leaf in tree], compressor.grouping,

@@ -133,7 +133,7 @@ def test_a_batch_of_equal_buckets_computes_what_the_unrolled_program_computes(co
     tree = {name: jnp.asarray(rng.normal(size=(n, 16, 5)) * scale, jnp.float32)
             for name, scale in (("a", 1e3), ("b", 1e-3), ("c", 1.0))}
     batch, unrolled = (_reduce(_mesh(nodes, local), compressor, algorithm, bucket_bytes=64,
-                               unroll_buckets=u)(tree) for u in (0, None))
+                               batch_buckets=u)(tree) for u in ("always", "never"))
     for got, want in zip(jax.tree.leaves(batch), jax.tree.leaves(unrolled), strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-9)
 

@@ -223,3 +223,33 @@ def test_a_matrix_leaf_is_shared_by_whole_columns(n):
     chunks, valid = qc.leaf_chunks(jnp.arange(10.0), c, 4)
     assert chunks.shape == (4, 3)
     np.testing.assert_array_equal(np.asarray(valid), [[3], [3], [3], [1]])
+
+
+@pytest.mark.parametrize("grouping", ["bucket", "column"])
+def test_collective_codec_codes_whole_groups_as_the_leaf_codec_does(grouping):
+    """One-bit's groups are whole buckets or columns, so coding the leaf in
+    4 chunks decodes to what coding it whole does, and the payload carries
+    every chunk's bytes."""
+    x = jax.random.normal(jax.random.key(0), (64, 32)) * jnp.linspace(0.1, 3.0, 32)
+    c = qc.onebit(grouping=grouping)
+    laid = qc.collective_codec(c, x, 4)
+    payload = laid.encode(x, jax.random.key(1))
+    assert laid.name == f"{c.name}/layout4" and payload.format == laid.name
+    np.testing.assert_array_equal(laid.decode(payload), c.decode(c.encode(x)))
+    assert qc.payload_bytes(payload) == qc.payload_bytes(c.encode(x))
+
+
+def test_collective_codec_masks_the_padding_of_a_partial_bucket():
+    """130 values in buckets of 64 over 4 devices: one-bit's means see only
+    the real values, as in `compressed_all_reduce` (`leaf_chunks`' valid
+    counts), and the padding never reaches the decoded leaf."""
+    x = jnp.linspace(-1.0, 0.5, 130)
+    c = qc.onebit()
+    laid = qc.collective_codec(c, x, 4)
+    got = laid.decode(laid.encode(x))
+    chunks, valid = qc.leaf_chunks(x, c, 4)
+    want = jnp.concatenate([c.decode(c.encode(chunks[j], valid=valid[j])) for j in range(4)])
+    assert valid is not None and int(valid.sum()) == 130
+    np.testing.assert_allclose(got, want.reshape(-1)[:130], rtol=1e-6)  # summation order
+    with pytest.raises(ValueError, match="num_devices"):
+        qc.collective_codec(c, x, 0)

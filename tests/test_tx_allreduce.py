@@ -276,8 +276,9 @@ def test_bad_config():
     for bad in (-1, 2.5, "4MiB"):
         with pytest.raises(ValueError, match="bucket_bytes"):
             _tx(qc.identity(), key=jax.random.key(0), bucket_bytes=bad)
-        with pytest.raises(ValueError, match="unroll_buckets"):
-            _tx(qc.identity(), key=jax.random.key(0), unroll_buckets=bad)
+    for bad in (-1, 2.5, "4MiB", None):
+        with pytest.raises(ValueError, match="batch_buckets"):
+            _tx(qc.identity(), key=jax.random.key(0), batch_buckets=bad)
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="pipeline"):
             _tx(qc.identity(), key=jax.random.key(0), pipeline=bad)
@@ -315,11 +316,11 @@ def test_batched_buckets_keep_the_update_and_residuals():
     residuals (both levels) and losses after a few steps."""
     def run(unroll):
         tx = optax.chain(_tx(qc.qsgd(bits=4, bucket_size=4), key=jax.random.key(0),
-                             algorithm="pairwise", bucket_bytes=64, unroll_buckets=unroll),
+                             algorithm="pairwise", bucket_bytes=64, batch_buckets=unroll),
                          optax.sgd(0.05))
         return _run(tx, 3)
 
-    (pb, sb, lb), (pt, st, lt) = run(0), run(None)
+    (pb, sb, lb), (pt, st, lt) = run("always"), run("never")
     np.testing.assert_allclose(lb, lt, rtol=1e-5)
     for a, b in zip(jax.tree.leaves((pb, sb[0].residual, sb[0].owner_residual)),
                     jax.tree.leaves((pt, st[0].residual, st[0].owner_residual)), strict=True):

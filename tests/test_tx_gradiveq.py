@@ -172,7 +172,7 @@ def test_compressed_branch_wire_bytes_match_rank():
 
 def _class_and_alone(n, rows, kk, rank, count, scales):
     """``count`` leaves ``(rows, kk)`` (scaled apart) reduced by `_aggregate_pca`
-    as one batched class (``unroll=0``) and each by its own PCA all-reduce
+    as one batched class (``batch="always"``) and each by its own PCA all-reduce
     (with their own bases, means and keys), on ``n`` devices: the two programs'
     (sums, contributions) and their ppermute counts."""
     mesh = mesh_of(n)
@@ -187,7 +187,7 @@ def _class_and_alone(n, rows, kk, rank, count, scales):
     @jax.jit
     @spec
     def together(x):
-        sums, contributed, _ = _aggregate_pca(list(x[0]), bases, means, "d", key, unroll=0)
+        sums, contributed, _ = _aggregate_pca(list(x[0]), bases, means, "d", key, batch="always")
         return jnp.stack(sums)[None], jnp.stack(contributed)[None]
 
     @jax.jit
@@ -223,8 +223,8 @@ def test_a_batched_class_of_layer_sized_leaves_is_each_leaf_alone():
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def test_classes_up_to_unroll_buckets_run_leaf_by_leaf():
-    """``unroll_buckets``: a class of at most that many leaves is traced leaf
+def test_classes_up_to_batch_buckets_run_leaf_by_leaf():
+    """``batch_buckets``: a class of at most that many leaves is traced leaf
     by leaf (no stack of the leaves), a larger one as one batch."""
     mesh = mesh_of(N)
     xs = jax.device_put(jax.random.normal(jax.random.key(2), (N, 3, 64, 16)),
@@ -232,15 +232,15 @@ def test_classes_up_to_unroll_buckets_run_leaf_by_leaf():
     bases = [jnp.eye(16)[:, :4]] * 3
     means = [jnp.zeros(16)] * 3
 
-    def shifts(unroll):
+    def shifts(batch):
         @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
         def f(x):
             sums, _, _ = _aggregate_pca(list(x[0]), bases, means, "d", jax.random.key(0),
-                                        unroll=unroll)
+                                        batch=batch)
             return jnp.stack(sums)[None]
         return count_primitives(jax.make_jaxpr(f)(xs).jaxpr, "ppermute")
 
-    assert shifts(None) == shifts(3) == 3 * shifts(2) == 3 * shifts(0) > 0
+    assert shifts("never") == shifts(3) == 3 * shifts(2) == 3 * shifts("always") > 0
 
 
 def _ls_problem():

@@ -85,13 +85,13 @@ class _Settings:
     compressor: CompressorSpec
     mean: bool
     error_feedback: bool
-    algorithm: str
+    algorithm: qc.Algorithm
     min_size: int
     compress_if: Callable | None
     fuse: bool
     bucket_bytes: int | None
     pipeline: int
-    unroll_buckets: Any
+    batch_buckets: Any
 
     @property
     def keeps_owner_residual(self) -> bool:
@@ -105,11 +105,11 @@ class _Settings:
 
 def compressed_all_reduce(axis_name, *, compressor: CompressorSpec, key: jax.Array,
                           mean: bool = True, error_feedback: bool = True,
-                          algorithm: str = "auto", min_size: int = 0,
+                          algorithm: qc.Algorithm = "auto", min_size: int = 0,
                           compress_if: Callable | None = None,
                           fuse: bool = True, bucket_bytes: int | None = qc.BUCKET_BYTES,
                           pipeline: int = 1,
-                          unroll_buckets: int | str | None = qc.UNROLL_BUCKETS
+                          batch_buckets: qc.BatchBuckets = qc.BATCH_BUCKETS
                           ) -> optax.GradientTransformation:
     """All-reduce the gradients through ``compressor``, with error feedback.
 
@@ -140,8 +140,9 @@ def compressed_all_reduce(axis_name, *, compressor: CompressorSpec, key: jax.Arr
         per compressor and dtype.
       pipeline: pieces per device's chunk, each reduced by its own chain of
         collectives (1, the default, is the fastest measured on CPU).
-      unroll_buckets: which classes of equal buckets run as one batch
-        (`qcollect.runs_batched`); None: never.
+      batch_buckets: which classes of equal buckets run as one batch
+        (`qcollect.runs_batched`): ``"auto"`` (default), ``"always"``,
+        ``"never"`` or an int ``K`` (batch classes of more than ``K``).
 
     Returns:
       An ``optax.GradientTransformation``; ``update(grads, state, params=None)``.
@@ -151,8 +152,11 @@ def compressed_all_reduce(axis_name, *, compressor: CompressorSpec, key: jax.Arr
         gradients in ``update``.
 
     References:
-      Seide et al., 1-bit SGD (error feedback); Grubic et al., Algorithm 2;
-      Dryden et al., section 3.4 (pairwise exchange).
+      Seide et al., INTERSPEECH 2014
+      <https://doi.org/10.21437/Interspeech.2014-274> (error feedback);
+      Grubic et al., EDBT 2018 <https://doi.org/10.3929/ethz-b-000319485>,
+      Algorithm 2; Dryden et al., MLHPC 2016, section 3.4 (pairwise
+      exchange) <https://doi.org/10.1109/MLHPC.2016.004>.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, qcollect as qc, transforms
@@ -166,13 +170,13 @@ def compressed_all_reduce(axis_name, *, compressor: CompressorSpec, key: jax.Arr
     """
     algorithm = check_choice("algorithm", algorithm, ("auto",) + qc.ALGORITHMS)
     bucket_bytes = check_int("bucket_bytes", bucket_bytes, low=0, allow_none=True)
-    qc.runs_batched(1, 0, unroll_buckets)  # ValueError naming unroll_buckets
+    qc.runs_batched(1, 0, batch_buckets)  # ValueError naming batch_buckets
     settings = _Settings(
         axis_name=axis_name, compressor=check_compressor("compressor", compressor),
         mean=mean, error_feedback=error_feedback, algorithm=algorithm,
         min_size=check_int("min_size", min_size, low=0), compress_if=compress_if, fuse=fuse,
         bucket_bytes=bucket_bytes, pipeline=check_int("pipeline", pipeline),
-        unroll_buckets=unroll_buckets)
+        batch_buckets=batch_buckets)
     return optax.GradientTransformation(functools.partial(_init, key=key, settings=settings),
                                         functools.partial(_update, settings=settings))
 
@@ -246,7 +250,7 @@ def _reduce_compressed(inputs, comps, owners, step_key, settings: _Settings) -> 
         result = qc.compressed_all_reduce(
             xs, s.axis_name, compressor, jax.random.fold_in(step_key, g),
             algorithm=s.algorithm, mean=s.mean, fuse=s.fuse, bucket_bytes=s.bucket_bytes,
-            pipeline=s.pipeline, owner_residual=owner_in, unroll_buckets=s.unroll_buckets)
+            pipeline=s.pipeline, owner_residual=owner_in, batch_buckets=s.batch_buckets)
         for j, i in enumerate(members):
             residual = (xs[j] - result.contributed[j].astype(jnp.float32)
                         if s.error_feedback else None)

@@ -53,11 +53,12 @@ of ``ceil(leaf.size / N)`` values, with margin): a plan too small for some
 chunk sets that payload's range to NaN, and the average then turns
 non-finite (below), never silently wrong.
 
-Leaves with fewer than ``min_size`` values are averaged uncompressed
-(``lax.pmean``): each compressed chunk carries a ``2**ceiling``-entry code
-table (512 bytes at ``ceiling=10``), so below a few thousand values float32
-moves fewer bytes (Grubic et al. 3.2.2 likewise keep small matrices in full
-precision).
+Leaves with fewer than ``min_size`` values (default 0, as in every
+transform) are averaged uncompressed (``lax.pmean``). Pass about 4096 with
+the entropy compressor: each compressed chunk carries a
+``2**ceiling``-entry code table (512 bytes at ``ceiling=10``), so below a
+few thousand values float32 moves fewer bytes (Grubic et al. 3.2.2
+likewise keep small matrices in full precision).
 
 Non-finite weights: compressors map NaN/Inf to non-finite output (a
 non-finite value makes its chunk's ``[w_min, w_max]`` non-finite), and
@@ -111,7 +112,7 @@ class ModelAveragingState(NamedTuple):
 
 def compressed_model_averaging(axis_name, *, every_k: int, key: jax.Array,
                                compressor: CompressorSpec | None = None,
-                               min_size: int = 4096) -> optax.GradientTransformation:
+                               min_size: int = 0) -> optax.GradientTransformation:
     """Local SGD with a compressed average of the weights every ``every_k`` steps.
 
     Every replica trains on its own data; on every ``every_k``-th step the
@@ -133,7 +134,10 @@ def compressed_model_averaging(axis_name, *, every_k: int, key: jax.Array,
         None`` per leaf (None: uncompressed). Default ``qc.entropy()``
         (the paper's sections 4, 5.1-5.2), unplanned.
       min_size: leaves with fewer values are averaged uncompressed
-        (``qc.fused_psum``); an integer >= 0.
+        (``qc.fused_psum``); an integer >= 0. The default, 0, compresses
+        every leaf, as in every transform; with the entropy compressor
+        ``min_size=4096`` sends fewer bytes (each chunk carries a code
+        table: see the module docstring).
 
     Returns:
       An ``optax.GradientTransformation``; ``update(updates, state, params)``.
@@ -145,10 +149,10 @@ def compressed_model_averaging(axis_name, *, every_k: int, key: jax.Array,
         path, or a leaf's shapes differ, naming it and both shapes.
 
     References:
-      Oland and Raj, "Reducing Communication Overhead in Distributed Learning
-      by an Order of Magnitude (Almost)": section 2 (periodic synchronous
-      weight exchange), section 3.4 and Algorithms 1-2 (the compressor);
-      Dryden et al. section 3.4 (pairwise exchange).
+      Oland, Raj, ICASSP 2015: section 2 (periodic synchronous weight
+      exchange), section 3.4 and Algorithms 1-2 (the compressor);
+      Dryden et al., MLHPC 2016 <https://doi.org/10.1109/MLHPC.2016.004>,
+      section 3.4 (pairwise exchange).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, transforms

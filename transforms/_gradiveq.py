@@ -203,11 +203,11 @@ class _Settings:
     min_size: int
     compress_if: Callable | None
     sample_compressor: qc.Compressor | None
-    sample_algorithm: str
+    sample_algorithm: qc.Algorithm
     stop_loss: float | None
     mean: bool
     error_feedback: bool
-    unroll_buckets: Any
+    batch_buckets: qc.BatchBuckets
 
 
 class _Leaf(NamedTuple):
@@ -223,9 +223,9 @@ def gradiveq(axis_name, *, key: jax.Array, slice_size: int | Callable,
              compressed_steps: int = 400, sample_slices: int = 1, min_size: int = 0,
              compress_if: Callable | None = None,
              sample_compressor: qc.Compressor | None = _QSGD4,
-             sample_algorithm: str = "auto", stop_loss: float | None = None,
+             sample_algorithm: qc.Algorithm = "auto", stop_loss: float | None = None,
              mean: bool = True, error_feedback: bool = True,
-             unroll_buckets: int | str | None = qc.UNROLL_BUCKETS) -> optax.GradientTransformation:
+             batch_buckets: qc.BatchBuckets = qc.BATCH_BUCKETS) -> optax.GradientTransformation:
     """GradiVeQ: PCA compressors fitted on aggregated gradients, summed on a ring.
 
     ``warmup_steps`` steps through ``sample_compressor``, then cycles of
@@ -256,8 +256,9 @@ def gradiveq(axis_name, *, key: jax.Array, slice_size: int | Callable,
         (0, inf) above which a device votes to end the compressed phase.
       mean: average over devices (default) rather than sum.
       error_feedback: keep residuals (default True).
-      unroll_buckets: which classes of equal leaves or buckets run as one
-        batch (`qcollect.runs_batched`); None: never.
+      batch_buckets: which classes of equal leaves or buckets run as one
+        batch (`qcollect.runs_batched`): ``"auto"`` (default), ``"always"``,
+        ``"never"`` or an int ``K`` (batch classes of more than ``K``).
 
     Returns:
       An ``optax.GradientTransformation``; its state is a `GradiVeQState`.
@@ -269,8 +270,11 @@ def gradiveq(axis_name, *, key: jax.Array, slice_size: int | Callable,
         shape, naming it and both shapes.
 
     References:
-      GradiVeQ, section 2 (eq. 2-5, Algorithm 1) and section 3 ("System
-      Overview", eq. 6, eq. 7, Fig. 6).
+      Yu et al., `GradiVeQ: Vector Quantization for Bandwidth-Efficient
+      Gradient Aggregation in Distributed CNN Training
+      <https://arxiv.org/abs/1811.03617>`_, NeurIPS 2018, section 2
+      (eq. 2-5, Algorithm 1) and section 3 ("System Overview", eq. 6,
+      eq. 7, Fig. 6).
 
     Example:
       >>> import jax, optax, transforms
@@ -286,14 +290,14 @@ def gradiveq(axis_name, *, key: jax.Array, slice_size: int | Callable,
         sample_slices=sample_slices, min_size=min_size, compress_if=compress_if,
         sample_compressor=sample_compressor, sample_algorithm=sample_algorithm,
         stop_loss=stop_loss, mean=mean, error_feedback=error_feedback,
-        unroll_buckets=unroll_buckets)
+        batch_buckets=batch_buckets)
     return optax.GradientTransformation(functools.partial(_init, key=key, settings=settings),
                                         functools.partial(_update, settings=settings))
 
 
 def _validated(axis_name, *, slice_size, loss_threshold, rank, max_rank, schedule,
                sample_slices, min_size, compress_if, sample_compressor, sample_algorithm,
-               stop_loss, mean, error_feedback, unroll_buckets) -> _Settings:
+               stop_loss, mean, error_feedback, batch_buckets) -> _Settings:
     """The settings of `gradiveq`, checked; ValueError naming the first bad one."""
     if (loss_threshold is None) == (rank is None):
         raise ValueError("exactly one of loss_threshold and rank must be given, got "
@@ -310,7 +314,7 @@ def _validated(axis_name, *, slice_size, loss_threshold, rank, max_rank, schedul
         if max_rank is not None:
             raise ValueError(f"max_rank applies to loss_threshold only, got max_rank={max_rank!r}")
     warmup_steps, sample_steps, compressed_steps = schedule
-    qc.runs_batched(1, 0, unroll_buckets)  # ValueError naming unroll_buckets
+    qc.runs_batched(1, 0, batch_buckets)  # ValueError naming batch_buckets
     return _Settings(
         axis_name=axis_name,
         slice_size=slice_size if callable(slice_size) else check_int("slice_size", slice_size),
@@ -325,7 +329,7 @@ def _validated(axis_name, *, slice_size, loss_threshold, rank, max_rank, schedul
         sample_algorithm=check_choice("sample_algorithm", sample_algorithm,
                                       ("auto",) + qc.ALGORITHMS),
         stop_loss=check_float("stop_loss", stop_loss, low=0.0, allow_none=True),
-        mean=mean, error_feedback=error_feedback, unroll_buckets=unroll_buckets)
+        mean=mean, error_feedback=error_feedback, batch_buckets=batch_buckets)
 
 
 def _leaf_plan(path, leaf, settings: _Settings) -> _Leaf | None:
@@ -469,9 +473,9 @@ def _aggregate(xs, bases, means, phase: Phase, key, settings: _Settings):
     return lax.cond(
         phase.compressing,
         lambda: _aggregate_pca(xs, bases, means, s.axis_name, key, s.stop_loss,
-                               s.unroll_buckets),
+                               s.batch_buckets),
         lambda: _aggregate_sampled(xs, s.axis_name, s.sample_compressor, key,
-                                   s.sample_algorithm, s.unroll_buckets))
+                                   s.sample_algorithm, s.batch_buckets))
 
 
 def _advance(xs, sums, contributed, mine: dict, plans: list, valid, phase: Phase, finite,
@@ -532,23 +536,23 @@ def _fill_invalid(samples, valid):
     return samples[source]
 
 
-def _aggregate_sampled(xs, axis_name, compressor, key, algorithm, unroll=qc.UNROLL_BUCKETS):
+def _aggregate_sampled(xs, axis_name, compressor, key, algorithm, batch=qc.BATCH_BUCKETS):
     """Sum over devices through the sample compressor (or exactly): (sums, contributed)."""
     if compressor is None:
         sums = qc.fused_psum(list(xs), axis_name)
         return sums, list(xs), jnp.zeros((), jnp.int32)
     result = qc.compressed_all_reduce(xs, axis_name, compressor, key, algorithm=algorithm,
-                                      unroll_buckets=unroll)
+                                      batch_buckets=batch)
     return (list(result.value), [c.astype(jnp.float32) for c in result.contributed],
             jnp.zeros((), jnp.int32))
 
 
 def _aggregate_pca(xs, bases, means, axis_name, key, stop_loss=None,
-                   unroll=qc.UNROLL_BUCKETS):
+                   batch=qc.BATCH_BUCKETS):
     """Compressed-domain ring sum, one PCA compressor per leaf.
 
     Leaves of one shape and basis shape form a class. Where
-    `qcollect.runs_batched` says so for ``unroll`` (by default: leaves of at
+    `qcollect.runs_batched` says so for ``batch`` (by default: leaves of at
     most 4 MiB, or more than 16 larger ones), a class runs as one batch
     (`jax.vmap` over the leaves, each with its own basis, mean and key): the
     program holds one ring per class, not per leaf, and each hop carries the
@@ -576,7 +580,7 @@ def _aggregate_pca(xs, bases, means, axis_name, key, stop_loss=None,
     for members in classes.values():
         keys = [jax.random.fold_in(key, j) for j in members]
         nbytes = int(np.prod(jnp.shape(xs[members[0]]))) * jnp.result_type(xs[members[0]]).itemsize
-        if not qc.runs_batched(len(members), nbytes, unroll):
+        if not qc.runs_batched(len(members), nbytes, batch):
             for j, leaf_key in zip(members, keys, strict=True):
                 sums[j], contributed[j] = reduce_leaf(xs[j], bases[j], means[j], leaf_key)
             continue

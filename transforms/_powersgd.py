@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -131,7 +131,7 @@ class _Settings:
     error_feedback: bool
     min_compression_rate: float
     mean: bool
-    matrix_view: str
+    matrix_view: Literal["last", "first"]
 
     def compresses(self, leaf) -> bool:
         """Whether a rank-``rank`` factorization of the leaf's matrix view pays."""
@@ -147,7 +147,7 @@ class _Settings:
 def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = 1_000,
              warm_start: bool = True, error_feedback: bool = True,
              min_compression_rate: float = 2.0, mean: bool = True,
-             matrix_view: str = "last") -> optax.GradientTransformation:
+             matrix_view: Literal["last", "first"] = "last") -> optax.GradientTransformation:
     """PowerSGD all-reduce of the gradients, as PyTorch's ``powerSGD_hook``.
 
     Steps ``0 .. start_iter - 1``: every leaf is averaged (or summed)
@@ -185,12 +185,16 @@ def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = 1_000,
         path, or whose leaf has another shape, naming it and both shapes.
 
     References:
-      T. Vogels, S. P. Karimireddy, M. Jaggi. PowerSGD: Practical Low-Rank
-      Gradient Compression for Distributed Optimization (NeurIPS 2019),
+      Vogels, Karimireddy, Jaggi, `PowerSGD: Practical Low-Rank Gradient
+      Compression for Distributed Optimization
+      <https://arxiv.org/abs/1905.13727>`_, NeurIPS 2019,
       Algorithm 1 (one power iteration, warm start) and Algorithm 2 (error
       feedback); PyTorch ``torch.distributed.algorithms.ddp_comm_hooks.
-      powerSGD_hook``. The ring sum of linear payloads follows Yu et al.,
-      GradiVeQ, Algorithm 1.
+      powerSGD_hook``; the ring sum of linear payloads follows
+      Yu et al., `GradiVeQ: Vector Quantization for Bandwidth-Efficient
+      Gradient Aggregation in Distributed CNN Training
+      <https://arxiv.org/abs/1811.03617>`_, NeurIPS 2018,
+      Algorithm 1.
 
     Example:
       >>> import jax, optax, transforms

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 import qcollect as qc
 from qcollect.bench._timing import interleaved_medians
 from qcollect.bench.collectives import _pca_for, _structured
-from qcollect.bench.compile import parse_unroll
+from qcollect.bench.compile import parse_batch_buckets
 
 MIB = 1 << 20
 #: Methods without a codec: their transport is themselves.
@@ -93,14 +93,14 @@ def _reducer(method: str, size: int, n: int, transport: bool = False, leaves: in
     ``"d"``, or hierarchically over `NODE_AXES` for ``METHOD/h`` (``transport``:
     the same collectives without the codec, `transport_only`), with ``v`` cut
     into ``leaves`` equal leaves and reduced in buckets of ``bucket_bytes``. A
-    suffix ``@U`` sets ``unroll_buckets``."""
-    method, at, unroll_text = method.partition("@")
-    unroll = parse_unroll(unroll_text) if at else qc.UNROLL_BUCKETS
+    suffix ``@B`` sets ``batch_buckets``."""
+    method, at, batch_text = method.partition("@")
+    batch = parse_batch_buckets(batch_text) if at else qc.BATCH_BUCKETS
     if method == "psum":
         return _in_leaves(lambda v: lax.psum(v, "d"), leaves)
     if method == "ring":
         return _in_leaves(lambda v: qc.ring_all_reduce(
-            v, "d", bucket_bytes=bucket_bytes, unroll_buckets=unroll), leaves)
+            v, "d", bucket_bytes=bucket_bytes, batch_buckets=batch), leaves)
     axes = "d"
     if method.endswith(HIERARCHICAL):
         method, axes = method[:-len(HIERARCHICAL)], NODE_AXES
@@ -120,15 +120,16 @@ def _reducer(method: str, size: int, n: int, transport: bool = False, leaves: in
     pipeline = int(pieces or 1)
     return _in_leaves(lambda v: qc.compressed_all_reduce(
         v, axes, c, key, algorithm=algorithm, pipeline=pipeline, bucket_bytes=bucket_bytes,
-        unroll_buckets=unroll).value, leaves)
+        batch_buckets=batch).value, leaves)
 
 
 def variants(methods: list[str], pipelines: list[int], hierarchical: bool = False,
-             unrolls: tuple[str, ...] = ()) -> list[str]:
+             batches: tuple[str, ...] = ()) -> list[str]:
     """Every compressed method once per pipeline count: ``onebit`` for 1,
     ``onebit/p4`` for 4 (uncompressed methods once); with ``hierarchical``
-    also ``onebit/h`` over `NODE_AXES`; with ``unrolls`` (``"0"``, ``"none"``)
-    each of those once per ``unroll_buckets``, as ``onebit@0``, ``onebit@none``."""
+    also ``onebit/h`` over `NODE_AXES`; with ``batches`` (``"always"``,
+    ``"never"``) each of those once per ``batch_buckets``, as
+    ``onebit@always``, ``onebit@never``."""
     out = []
     for m in methods:
         if m in UNCOMPRESSED:
@@ -136,7 +137,7 @@ def variants(methods: list[str], pipelines: list[int], hierarchical: bool = Fals
             continue
         named = [m if p == 1 else f"{m}/p{p}" for p in pipelines]
         named += [m + HIERARCHICAL] if hierarchical else []
-        out += [f"{v}@{u}" for v in named for u in unrolls] if unrolls else named
+        out += [f"{v}@{b}" for v in named for b in batches] if batches else named
     return out
 
 

@@ -24,10 +24,11 @@ counting the gradients in and the sums out).
 Methods are ``METHOD`` or ``METHOD/ALGORITHM`` (``ring``, ``pairwise``,
 ``ring_requantize``; without one, `compressed_all_reduce`'s ``"auto"``:
 ring for linear compressors, else pairwise), e.g. ``qsgd-4/ring_requantize``,
-with an optional ``@U`` for `compressed_all_reduce`'s ``unroll_buckets``
-(``qsgd-4@0``: every class of equal buckets as one batch; ``qsgd-4@none``: one
-traced copy per bucket; ``qsgd-4@auto``: the default, by bucket size), so the
-programs compare side by side.
+with an optional ``@B`` for `compressed_all_reduce`'s ``batch_buckets``
+(``qsgd-4@always``: every class of equal buckets as one batch;
+``qsgd-4@never``: one traced copy per bucket; ``qsgd-4@auto``: the default,
+by bucket size; ``qsgd-4@K``: classes of more than K buckets batched), so
+the programs compare side by side.
 
 Each method's sizes are compiled, smallest first, by one worker process that
 first compiles the method once on a tiny tree (so the first size does not pay
@@ -104,37 +105,39 @@ DEFAULT_PARAMS = "19,38,76,151,1000"
 
 
 def parse_method(method: str, devices: int = 2):
-    """``(compressor or None, algorithm, unroll_buckets)`` of
-    ``METHOD[/ALGORITHM][@UNROLL]``.
+    """``(compressor or None, algorithm, batch_buckets)`` of
+    ``METHOD[/ALGORITHM][@BATCH]``.
 
-    ``@UNROLL`` sets `compressed_all_reduce`'s ``unroll_buckets``: ``@auto``
-    (the default: batched by bucket size, `qcollect.runs_batched`), an int
-    (``@0``: every class of equal buckets runs as one batch) or ``@none`` (the
+    ``@BATCH`` sets `compressed_all_reduce`'s ``batch_buckets``: ``@auto``
+    (the default: batched by bucket size, `qcollect.runs_batched`),
+    ``@always`` (every class of equal buckets runs as one batch), an int
+    ``@K`` (classes of more than K buckets) or ``@never`` (the
     program traced once per bucket); without it, the default.
 
     Raises:
-      ValueError: an unknown method or algorithm, an algorithm or an unroll
-        given for ``psum``, an unroll that is not an int >= 0 or ``none``,
+      ValueError: an unknown method or algorithm, an algorithm or a batch
+        setting given for ``psum``, a batch setting that is not ``auto``,
+        ``always``, ``never`` or an int >= 0,
         or ``ring`` for a compressor that is not linear.
     """
     import qcollect as qc
 
-    spec, at, unroll_text = method.partition("@")
+    spec, at, batch_text = method.partition("@")
     name, _, algorithm = spec.partition("/")
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r} in {method!r}; "
                          f"known: {', '.join(METHODS)}")
     if name == "psum":
         if algorithm or at:
-            raise ValueError(f"psum takes no algorithm or unroll, got {method!r}")
+            raise ValueError(f"psum takes no algorithm or batch_buckets, got {method!r}")
         return None, None, None
-    unroll = qc.UNROLL_BUCKETS
+    batch = qc.BATCH_BUCKETS
     if at:
         try:
-            unroll = parse_unroll(unroll_text)
+            batch = parse_batch_buckets(batch_text)
         except ValueError:
-            raise ValueError(f"unroll in {method!r} must be 'auto', an int >= 0 or "
-                             f"'none'") from None
+            raise ValueError(f"batch_buckets in {method!r} must be 'auto', 'always', 'never' "
+                             "or an int >= 0") from None
     algorithm = algorithm or "auto"
     if algorithm != "auto" and algorithm not in qc.ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r} in {method!r}; "
@@ -142,19 +145,18 @@ def parse_method(method: str, devices: int = 2):
     compressor = _compressors()[name](devices)
     if algorithm == "ring" and not compressor.linear:
         raise ValueError(f"{method!r}: the compressed-domain ring needs a linear compressor")
-    return compressor, algorithm, unroll
+    return compressor, algorithm, batch
 
 
-def parse_unroll(text: str) -> int | str | None:
-    """A method's ``@U`` suffix as ``unroll_buckets``: ``auto``, an int >= 0, or
-    None for ``none``."""
-    if text == "none":
-        return None
-    if text == "auto":
-        return text
-    if not text.isdigit():
-        raise ValueError(f"unroll_buckets must be 'auto', an int >= 0 or 'none', got {text!r}")
-    return int(text)
+def parse_batch_buckets(text: str) -> int | str:
+    """A method's ``@B`` suffix as ``batch_buckets``: ``auto``, ``always``,
+    ``never`` or an int >= 0 (`qcollect.runs_batched`)."""
+    if text.isdigit():
+        return int(text)
+    if text not in ("auto", "always", "never"):
+        raise ValueError(f"batch_buckets must be 'auto', 'always', 'never' or an int >= 0, "
+                         f"got {text!r}")
+    return text
 
 
 _HEADER = re.compile(r"(?:ENTRY )?%([\w.\-]+) \(.*\{$")
@@ -222,7 +224,7 @@ def _lower_and_compile(mesh, method: str, blocks: int, width: int, runs: int = 0
     import qcollect as qc
 
     n = mesh.shape[_AXIS]
-    compressor, algorithm, unroll = parse_method(method, n)
+    compressor, algorithm, batch = parse_method(method, n)
     varying = NamedSharding(mesh, P(_AXIS))
     # Each device's own gradient: a leading device axis, sharded, so it is varying.
     tree = {f"block_{b:04d}": {name: jax.ShapeDtypeStruct((n, *shape), np.float32,
@@ -237,7 +239,7 @@ def _lower_and_compile(mesh, method: str, blocks: int, width: int, runs: int = 0
         if compressor is None:
             return lax.psum(grads, _AXIS)
         return qc.compressed_all_reduce(grads, _AXIS, compressor, key, algorithm=algorithm,
-                                        unroll_buckets=unroll).value
+                                        batch_buckets=batch).value
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(_AXIS), P()), out_specs=P()))
     start = time.perf_counter()
@@ -408,8 +410,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                    help="comma-separated METHOD or METHOD/ALGORITHM, METHOD one of "
                         f"{', '.join(METHODS)}, ALGORITHM one of ring, pairwise, "
-                        f"ring_requantize; a suffix @U sets unroll_buckets (@auto, an int, "
-                        f"or @none: never batch) (default {','.join(DEFAULT_METHODS)})")
+                        f"ring_requantize; a suffix @B sets batch_buckets (@auto, @always, "
+                        f"@never or an int K) (default {','.join(DEFAULT_METHODS)})")
     p.add_argument("--width", type=int, default=512,
                    help="model width d: blocks of d x d, d x 4d, 4d x d, d (default 512)")
     p.add_argument("--devices", type=int, default=8,

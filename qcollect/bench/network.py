@@ -82,7 +82,7 @@ import subprocess
 import sys
 
 import qcollect.launch
-from qcollect.bench.compile import parse_unroll
+from qcollect.bench.compile import parse_batch_buckets
 from qcollect.launch import parse_rate
 
 METHODS = ("psum", "ring", "cast-bf16", "qsgd-8", "qsgd-4", "onebit", "adaptive", "pca")
@@ -115,11 +115,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket-mib", type=float, default=4.0,
                    help="bucket size in MiB (compressed_all_reduce's and ring_all_reduce's "
                         "bucket_bytes; default 4)")
-    p.add_argument("--unroll", default="",
-                   help="comma-separated unroll_buckets values ('auto', ints >= 0 or 'none'): each "
-                        "compressed method is measured once per value, as METHOD@U, so a "
-                        "batch of equal buckets (@0) and the program traced bucket by bucket "
-                        "(@none) run side by side (default: the library's default only)")
+    p.add_argument("--batch-buckets", default="",
+                   help="comma-separated batch_buckets values ('auto', 'always', 'never' or "
+                        "ints >= 0): each compressed method is measured once per value, as "
+                        "METHOD@B, so a batch of equal buckets (@always) and the program "
+                        "traced bucket by bucket (@never) run side by side (default: the "
+                        "library's default only)")
     p.add_argument("--repeats", type=int, default=7,
                    help="timed repetitions per size, medians reported (default 7)")
     p.add_argument("--swap-probe", action="store_true",
@@ -160,12 +161,13 @@ def _parse(argv) -> argparse.Namespace:
         parser.error(f"--pipeline must be comma-separated positive integers, got {args.pipeline!r}")
     if not args.pipeline or min(args.pipeline) < 1:
         parser.error(f"--pipeline must be comma-separated positive integers, got {args.pipeline!r}")
-    args.unroll = tuple(dict.fromkeys(u.strip() for u in args.unroll.split(",") if u.strip()))
+    args.batch_buckets = tuple(dict.fromkeys(
+        b.strip() for b in args.batch_buckets.split(",") if b.strip()))
     try:
-        for u in args.unroll:
-            parse_unroll(u)
+        for b in args.batch_buckets:
+            parse_batch_buckets(b)
     except ValueError as e:
-        parser.error(f"--unroll: {e}")
+        parser.error(f"--batch-buckets: {e}")
     if not (math.isfinite(args.bucket_mib) and args.bucket_mib > 0):
         parser.error(f"--bucket-mib must be a positive number, got {args.bucket_mib}")
     args.bucket_bytes = max(1, int(args.bucket_mib * 2**20))
@@ -230,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {out}", flush=True)
         return 0
     methods = _network.variants(args.methods, args.pipeline,
-                                hierarchical=jax.local_device_count() > 1, unrolls=args.unroll)
+                                hierarchical=jax.local_device_count() > 1,
+                                batches=args.batch_buckets)
     rows = _network.measure(args.sizes, methods, args.repeats, leaves=args.leaves,
                             bucket_bytes=args.bucket_bytes)
     if rows is not None:  # rank 0

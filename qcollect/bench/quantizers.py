@@ -26,8 +26,6 @@ import jax
 import jax.numpy as jnp
 
 import qcollect as qc
-from qcollect._algorithms import Chunks, Codec
-from qcollect._layout import plan_segments
 from qcollect.bench._timing import interleaved_medians
 
 
@@ -69,33 +67,10 @@ def _powersgd_round(rank: int):
 
 
 def _collective_layout(make, n: int = 4):
-    """The codec as `qcollect.compressed_all_reduce` runs it on ``n`` devices.
-
-    Encode lays the array out into ``n`` chunks of whole groups (buckets: a
-    reshape; columns: blocks of whole columns read from the matrix) and
-    encodes every chunk with the collective's own code; decode decodes the
-    stacked payloads and lays the values back (for columns a copy of
-    ``(n, rows, c)`` into ``(rows, n c)``). Side by side with the plain rows
-    this is what the layout costs.
-    """
-
-    def build(x):
-        c = make(x)
-        (segment,) = plan_segments([x], c.grouping, c.block, n, bucket_bytes=None)
-        valid = segment.valid() if c.masks_padding else None
-        codec = Codec(c, None if valid is None else jnp.asarray(valid))
-
-        def encode(x, key=None):
-            keys = jax.random.split(jax.random.key(0) if key is None else key, n)
-            return codec.round_trip_all(Chunks(segment.laid_out([x]), segment), keys)[0]
-
-        def decode(payload):
-            return segment.leaves(codec.decode_all(payload))[0]
-
-        return qc.Compressor(f"{c.name}/layout{n}", encode, decode, linear=c.linear,
-                             stochastic=c.stochastic)
-
-    return build
+    """The codec as `qcollect.compressed_all_reduce` runs it on ``n`` devices
+    (`qcollect.collective_codec`): side by side with the plain rows this is
+    what the layout costs."""
+    return lambda x: qc.collective_codec(make(x), x, n)
 
 
 COMPRESSORS = {
