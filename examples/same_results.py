@@ -8,7 +8,10 @@ random batches, once with this tree's code and once with the code of
 end), and compares
 
 * the SHA-256 of the parameters and the optimizer state after ``--steps``
-  steps (``same`` when every bit agrees), and
+  steps (``same`` when every bit agrees),
+* the SHA-256 of the compiled training step's optimised HLO, source
+  locations left out (``same``: both trees run one program, so any
+  difference in their step times is the machine's noise), and
 * the median step time (``--timing-steps`` steps, the first 6 left out),
   in ``--timing-rounds`` rounds that alternate the two trees, so that both
   see the same machine load; the table gives each tree's median over the
@@ -130,9 +133,25 @@ def _digest(tree) -> str:
     return h.hexdigest()[:16]
 
 
+def program_digest(compiled_text: str) -> str:
+    """SHA-256 of an optimised HLO text with its source locations left out
+    (each instruction's ``metadata={...}`` and the module's tables of files,
+    functions and stack frames before its first computation): equal for one
+    program traced from code that moved between lines or files."""
+    import hashlib
+    import re
+
+    header, *rest = compiled_text.splitlines()
+    first = next((i for i, line in enumerate(rest) if line.startswith(("%", "ENTRY"))),
+                 len(rest))
+    text = re.sub(r", metadata=\{[^}]*\}", "", "\n".join([header, *rest[first:]]))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def worker(repo: str, model: str, mode: str, steps: int, names: list[str]) -> dict:
-    """Per compressor: the digest after ``steps`` steps (``mode="hash"``) or
-    the median step time in seconds (``mode="time"``)."""
+    """Per compressor: ``{"state": digest after steps, "program": digest of
+    the compiled step}`` (``mode="hash"``) or the median step time in seconds
+    (``mode="time"``)."""
     import time
 
     import jax
@@ -146,12 +165,15 @@ def worker(repo: str, model: str, mode: str, steps: int, names: list[str]) -> di
         params = dp.replicate(dp.params)
         state = dp.init(tx, params)
         step = dp.step(tx, state, replicated=comm.replicated)
+        program = (program_digest(step.lower(params, state, *batches[0]).compile().as_text())
+                   if mode == "hash" else None)
         seconds = []
         for batch in batches:
             start = time.perf_counter()
             params, state, *_ = jax.block_until_ready(step(params, state, *batch))
             seconds.append(time.perf_counter() - start)
-        out[name] = _digest((params, state)) if mode == "hash" else statistics.median(seconds[6:])
+        out[name] = ({"state": _digest((params, state)), "program": program} if mode == "hash"
+                     else statistics.median(seconds[6:]))
     return out
 
 
@@ -181,8 +203,9 @@ def worktree(revision: str):
 
 
 def compare(args, other: pathlib.Path) -> list[str]:
-    lines = [f"| model | compressor | state after {args.steps} steps | ms/step (this) "
-             f"| ms/step ({args.against}) | ratio |", "|---|---|---|---:|---:|---:|"]
+    lines = [f"| model | compressor | state after {args.steps} steps | compiled step "
+             f"| ms/step (this) | ms/step ({args.against}) | ratio |",
+             "|---|---|---|---|---:|---:|---:|"]
     for model in args.models.split(","):
         old = _run_worker(other, model, "hash", args.steps, args.compressors)
         new = _run_worker(ROOT, model, "hash", args.steps, args.compressors)
@@ -192,16 +215,22 @@ def compare(args, other: pathlib.Path) -> list[str]:
                 times[tag].append(_run_worker(repo, model, "time", args.timing_steps,
                                               args.compressors))
         for name in args.compressors.split(","):
-            same = "same" if old[name] == new[name] else f"DIFFERENT ({new[name]} vs {old[name]})"
+            same = _same(new[name]["state"], old[name]["state"])
+            program = ("same" if new[name]["program"] == old[name]["program"]
+                       else "different")   # reported; only the state decides the status
             if args.timing_rounds:
                 t_new = statistics.median(r[name] for r in times["new"]) * 1e3
                 t_old = statistics.median(r[name] for r in times["old"]) * 1e3
                 timing = f"{t_new:.1f} | {t_old:.1f} | {t_new / t_old:.3f}"
             else:
                 timing = "- | - | -"
-            lines.append(f"| {model} | {name} | {same} | {timing} |")
+            lines.append(f"| {model} | {name} | {same} | {program} | {timing} |")
             print(lines[-1], flush=True)
     return lines
+
+
+def _same(new: str, old: str) -> str:
+    return "same" if new == old else f"DIFFERENT ({new} vs {old})"
 
 
 def main(argv=None) -> int:

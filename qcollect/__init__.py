@@ -32,19 +32,22 @@ from qcollect._messages import fused_psum
 from qcollect._onebit import OneBitCompressor, onebit
 from qcollect._packing import pack_bits, packed_words, unpack_bits
 from qcollect._payload import Compressor, Payload, payload_bytes
-from qcollect._pca import PCACompressor, PCAFit, pca, pca_fit
+from qcollect._pca import PCACompressor, pca
+from qcollect._pca_fit import PCAFit, pca_fit
+from qcollect._power_iteration import (
+    orthogonalize,
+    powersgd_normalize,
+    powersgd_p,
+    powersgd_q,
+    powersgd_reconstruct,
+)
 from qcollect._powersgd import (
     PowerSGDCompressor,
-    orthogonalize,
     powersgd,
     powersgd_init,
     powersgd_matrix,
     powersgd_matrix_shape,
-    powersgd_normalize,
-    powersgd_p,
-    powersgd_q,
     powersgd_rank,
-    powersgd_reconstruct,
     powersgd_should_compress,
 )
 from qcollect._qsgd import QSGD_BUCKET_SIZES, QSGDCompressor, qsgd

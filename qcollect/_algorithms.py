@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from qcollect._layout import RowSegment, Segment, plan_segments
+from qcollect._layout import plan_segments
 from qcollect._messages import send_packed
 from qcollect._payload import Compressor, Payload
 from qcollect._result import AllReduceResult
@@ -27,6 +27,7 @@ from qcollect._ring import (
     shift_right,
     take_chunk,
 )
+from qcollect._segments import RowSegment, Segment
 from qcollect.checks import check_int
 
 __all__ = ["ChunkSource", "Chunks", "Codec", "Stacked", "collective_codec", "reduce_pieces",

@@ -34,7 +34,8 @@ it: then the workaround can go). The probes that are unit tests live in
 4. **A max reduction can drop a NaN** (XLA:CPU's vectorised reduce: a row
    of 4096 or more float32 values holding one NaN can reduce to 1.0 or
    -inf). `propagate_nonfinite` adds ``sum(v - v)`` (zero, or NaN when
-   any value is not finite) to such a reduction; QSGD's scales use it.
+   any value is not finite) to such a reduction; QSGD's scales and the
+   entropy quantizer's range (`qcollect._entropy_stats.extremes`) use it.
    Guard: ``tests/test_contract.py::test_shapes_dtypes_zeros_and_non_finite_inputs``.
    Probe: ``tests/test_backend.py::test_xla_cpu_max_can_drop_a_nan``.
 5. **Constant slice offsets compile a kernel per leaf** (XLA's fusion,

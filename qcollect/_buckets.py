@@ -62,9 +62,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qcollect._layout import BUCKET_BYTES, Segment
+from qcollect._layout import BUCKET_BYTES
 from qcollect._offsets import runtime_slices
 from qcollect._result import AllReduceResult
+from qcollect._segments import Segment
 
 __all__ = ["AUTO_BATCH_BYTES", "AUTO_TRACE_LIMIT", "BATCH_BUCKETS", "BatchBuckets",
            "check_batch_buckets",

@@ -73,17 +73,22 @@ import jax
 import jax.numpy as jnp
 
 from qcollect import _huffman as hf
-from qcollect._config import check_float, check_floating_input, check_int, require_key
+from qcollect._config import check_float, check_int, require_key
+from qcollect._entropy_stats import (
+    MAX_BITS,
+    ROUND_TOL,
+    entropy_bits,
+    extremes,
+    flat_values,
+    quantize,
+    real_count,
+    sample_indices,
+)
 from qcollect._packing import pack_bits, packed_words, unpack_bits
 from qcollect._payload import Compressor, Payload, check_format
-from qcollect._random import hash_bits
 
 __all__ = ["EntropyCompressor", "EntropyPlan", "PlannedEntropyCompressor", "entropy"]
 
-#: Tolerance subtracted before rounding ``H + c`` up, so an entropy that is an
-#: integer up to float32 error (e.g. a uniform histogram) is not bumped a bit.
-ROUND_TOL = 1e-4
-_MAX_BITS = hf.MAX_CODE_LENGTH
 _SETTINGS = ("sample_fraction", "prelim_bits", "floor", "ceiling", "huffman", "block_size")
 
 
@@ -231,9 +236,9 @@ def entropy(*, sample_fraction: float = 0.03, prelim_bits: int = 4, floor: int =
       True
     """
     sample_fraction = check_float("sample_fraction", sample_fraction, low=0.0, high=1.0)
-    prelim_bits = check_int("prelim_bits", prelim_bits, low=1, high=_MAX_BITS)
-    floor = check_int("floor", floor, low=1, high=_MAX_BITS)
-    ceiling = check_int("ceiling", ceiling, low=floor, high=_MAX_BITS)
+    prelim_bits = check_int("prelim_bits", prelim_bits, low=1, high=MAX_BITS)
+    floor = check_int("floor", floor, low=1, high=MAX_BITS)
+    ceiling = check_int("ceiling", ceiling, low=floor, high=MAX_BITS)
     if not isinstance(huffman, bool):
         raise ValueError(f"huffman must be True or False, got {huffman!r}")
     block_size = check_int("block_size", block_size, low=1, allow_none=True)
@@ -241,72 +246,6 @@ def entropy(*, sample_fraction: float = 0.03, prelim_bits: int = 4, floor: int =
     return EntropyCompressor(codec.name, codec.encode, codec.decode, linear=False,
                              stochastic=codec.stochastic, grouping="leaf", masks_padding=True,
                              variant=codec.variant, codec=codec, **codec.settings())
-
-
-def _flat(x) -> jax.Array:
-    x = jnp.asarray(x)
-    check_floating_input(x)
-    if x.size * _MAX_BITS >= 2**32:
-        raise ValueError(f"x has {x.size} values; entropy() encodes at most {2**32 // 15}")
-    return x.reshape(-1).astype(jnp.float32)
-
-
-def _real_count(valid):
-    """The real count of a ``valid`` array of one group (None: all real)."""
-    if valid is None:
-        return None
-    valid = jnp.asarray(valid, jnp.int32).reshape(-1)
-    if valid.shape != (1,):
-        raise ValueError(f"entropy() codes an array as one group: valid must hold one "
-                         f"count, got shape {valid.shape}")
-    return valid[0]
-
-
-def _extremes(flat, real=None):
-    """``w_min, w_max`` of the real values (the first ``real``; 0, 0 if none)."""
-    if flat.shape[0] == 0:
-        return jnp.float32(0.0), jnp.float32(0.0)
-    # XLA:CPU's vectorised min/max reductions can drop a NaN; a sum of
-    # v - v (0, or NaN for NaN and Inf) always carries it into the range.
-    if real is None:
-        poison = jnp.sum(flat - flat)
-        return jnp.min(flat) + poison, jnp.max(flat) + poison
-    inside = jnp.arange(flat.shape[0]) < real
-    poison = jnp.sum(jnp.where(inside, flat - flat, 0.0))
-    w_min = jnp.min(jnp.where(inside, flat, jnp.inf)) + poison
-    w_max = jnp.max(jnp.where(inside, flat, -jnp.inf)) + poison
-    none = real <= 0
-    return jnp.where(none, 0.0, w_min), jnp.where(none, 0.0, w_max)
-
-
-def _quantize(values, w_min, w_max, bits):
-    """Algorithm 1, QUANTIZE (with ``w - w_min``): uint32 bin indices."""
-    levels = jnp.left_shift(jnp.uint32(1), jnp.asarray(bits, jnp.uint32))
-    # Halves: w_max - w_min can overflow float32 while its half cannot; the
-    # halving is exact, so t is the same as from the full span.
-    half = 0.5 * w_max - 0.5 * w_min
-    scale = jnp.where(half > 0, levels.astype(jnp.float32) / half, 0.0)
-    t = (0.5 * values - 0.5 * w_min) * scale
-    t = jnp.where(t > 0, t, 0.0)  # also maps NaN to bin 0; the range carries the NaN
-    return jnp.minimum(jnp.floor(t).astype(jnp.uint32), levels - 1)
-
-
-def sample_indices(key, n: int, fraction: float, real=None) -> jax.Array:
-    """Indices of the entropy sample: ``ceil(F n)`` uniform draws with
-    replacement, from the first ``real`` values when given (traced)."""
-    m = min(n, math.ceil(fraction * n))
-    if fraction >= 1.0 or m == 0:
-        index = jnp.arange(n, dtype=jnp.uint32)
-        return index if real is None else index % jnp.maximum(real, 1).astype(jnp.uint32)
-    bound = jnp.uint32(n) if real is None else jnp.maximum(real, 1).astype(jnp.uint32)
-    return hash_bits(key, (m,)) % bound
-
-
-def _entropy_bits(codes, bins: int):
-    """Entropy in bits of the histogram of ``codes`` over ``bins`` bins."""
-    count = jnp.bincount(codes, length=bins).astype(jnp.float32)
-    p = count / jnp.maximum(jnp.sum(count), 1.0)
-    return -jnp.sum(p * jnp.log2(jnp.where(count > 0, p, 1.0)))
 
 
 class _Codec:
@@ -363,7 +302,7 @@ class _Codec:
         if self.stochastic:
             require_key(key, "entropy(sample_fraction < 1)")
         picks = flat[sample_indices(key, flat.shape[0], self.fraction, real)]
-        h = _entropy_bits(_quantize(picks, w_min, w_max, self.prelim), 2**self.prelim)
+        h = entropy_bits(quantize(picks, w_min, w_max, self.prelim), 2**self.prelim)
         n_bits = jnp.ceil(h + (self.floor - ROUND_TOL)).astype(jnp.int32)
         return jnp.clip(n_bits, self.floor, self.ceiling)
 
@@ -372,13 +311,13 @@ class _Codec:
         return lengths, hf.canonical_codes(lengths)
 
     def plan(self, x, key=None, *, valid=None) -> EntropyPlan:
-        flat = _flat(x)
-        real = _real_count(valid)
-        w_min, w_max = _extremes(flat, real)
+        flat = flat_values(x)
+        real = real_count(valid)
+        w_min, w_max = extremes(flat, real)
         n_bits = self._bits(flat, w_min, w_max, key, real)
         n = flat.shape[0]
         if self.huffman:
-            q = _quantize(flat, w_min, w_max, n_bits)
+            q = quantize(flat, w_min, w_max, n_bits)
             lengths, _ = self._codebook(q, 2**self.ceiling)
             total = jnp.sum(lengths[q], dtype=jnp.uint32)
         else:
@@ -391,9 +330,9 @@ class _Codec:
                valid=None) -> Payload:
         if plan is not None:
             return self.with_plan(plan).encode(x, key, valid=valid)
-        flat = _flat(x)
-        real = _real_count(valid)
-        w_min, w_max = _extremes(flat, real)
+        flat = flat_values(x)
+        real = real_count(valid)
+        w_min, w_max = extremes(flat, real)
         n_bits = self._bits(flat, w_min, w_max, key, real)
         words = packed_words(flat.shape[0] * self.ceiling, 1, jnp.uint32)
         return self._pack(x, flat, w_min, w_max, n_bits, 2**self.ceiling, words, self.name)
@@ -409,12 +348,12 @@ class _Codec:
     def _encode_planned(self, x, key=None, *, valid=None, bits: int, words: int,
                         name: str) -> Payload:
         """Encode sized by a plan: ``2**bits`` code lengths, ``words`` stream words."""
-        flat = _flat(x)
-        w_min, w_max = _extremes(flat, _real_count(valid))
+        flat = flat_values(x)
+        w_min, w_max = extremes(flat, real_count(valid))
         return self._pack(x, flat, w_min, w_max, jnp.int32(bits), 2**bits, words, name)
 
     def _pack(self, x, flat, w_min, w_max, n_bits, symbols, words, name) -> Payload:
-        q = _quantize(flat, w_min, w_max, n_bits)
+        q = quantize(flat, w_min, w_max, n_bits)
         arrays = {"bits": n_bits.astype(jnp.uint32)[None]}
         if self.huffman:
             lengths, codes = self._codebook(q, symbols)

@@ -86,3 +86,14 @@ def unless_overflow(plain, rescaled, *operands, overflowed=None):
     operands = varying_like(operands, plain)
     return jax.lax.cond(overflowed, lambda plain, ops: rescaled(*ops),
                         lambda plain, ops: plain, plain, operands)
+
+
+def max_exponent(a: jax.Array) -> jax.Array:
+    """``E`` with ``max |a| < 2**E`` (`binary_exponent`)."""
+    return binary_exponent(jnp.max(jnp.abs(a)))
+
+
+def bit_length(n: int) -> int:
+    """``b`` with ``n < 2**b``: a sum of ``n`` terms below ``2**a`` stays below
+    ``2**(a + b)``."""
+    return int(n).bit_length()

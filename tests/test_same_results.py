@@ -30,6 +30,16 @@ def test_digest_sees_one_bit_and_nothing_else():
     assert digest(a) != digest(negative_zero)   # bits, not values
 
 
+def test_program_digest_ignores_source_locations_only():
+    digest = _module().program_digest
+    program = ('HloModule jit_step\n\nFileNames\n1 "{path}/train.py"\n\n'
+               'ENTRY %main {{\n  %add.1 = f32[4]{{0}} add(%a, %b), '
+               'metadata={{op_name="jit(step)/add" source_line={line}}}\n}}\n')
+    here = digest(program.format(path="/a", line=10))
+    assert here == digest(program.format(path="/tmp/b", line=99))
+    assert here != digest(program.format(path="/a", line=10).replace("add(", "multiply("))
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--models", "cnn"], "--models takes mlp and lm"),
     (["--steps", "0"], "--steps must be >= 1"),
@@ -59,7 +69,7 @@ def test_this_tree_against_its_own_commit(tmp_path):
     table = out.read_text()
     assert "| mlp | none |" in table
     if not changed:
-        assert status == 0 and "| mlp | none | same |" in table
+        assert status == 0 and "| mlp | none | same | same |" in table
     after = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], capture_output=True,
                            text=True, check=True).stdout
     assert after == before

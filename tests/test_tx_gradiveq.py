@@ -21,7 +21,8 @@ from tests.helpers import (
     sharded_update,
     stacked,
 )
-from transforms._gradiveq import Schedule, _aggregate_pca, _aggregate_sampled
+from transforms._gradiveq_cycle import Schedule
+from transforms._gradiveq_sums import sum_on_pca_ring, sum_sampled
 
 N = 8
 K = 10
@@ -145,13 +146,13 @@ def test_compressed_branch_wire_bytes_match_rank():
     @jax.jit
     @spec
     def compressed(x):
-        sums, _, _ = _aggregate_pca([x[0]], [basis], [jnp.zeros(kk)], "d", jax.random.key(0))
+        sums, _, _ = sum_on_pca_ring([x[0]], [basis], [jnp.zeros(kk)], "d", jax.random.key(0))
         return sums[0][None]
 
     @jax.jit
     @spec
     def sampled(x):
-        sums, _, _ = _aggregate_sampled([x[0]], "d", qc.qsgd(bits=4), jax.random.key(0),
+        sums, _, _ = sum_sampled([x[0]], "d", qc.qsgd(bits=4), jax.random.key(0),
                                         "auto")
         return sums[0][None]
 
@@ -171,7 +172,7 @@ def test_compressed_branch_wire_bytes_match_rank():
 
 
 def _class_and_alone(n, rows, kk, rank, count, scales):
-    """``count`` leaves ``(rows, kk)`` (scaled apart) reduced by `_aggregate_pca`
+    """``count`` leaves ``(rows, kk)`` (scaled apart) reduced by `sum_on_pca_ring`
     as one batched class (``batch="always"``) and each by its own PCA all-reduce
     (with their own bases, means and keys), on ``n`` devices: the two programs'
     (sums, contributions) and their ppermute counts."""
@@ -187,7 +188,7 @@ def _class_and_alone(n, rows, kk, rank, count, scales):
     @jax.jit
     @spec
     def together(x):
-        sums, contributed, _ = _aggregate_pca(list(x[0]), bases, means, "d", key, batch="always")
+        sums, contributed, _ = sum_on_pca_ring(list(x[0]), bases, means, "d", key, batch="always")
         return jnp.stack(sums)[None], jnp.stack(contributed)[None]
 
     @jax.jit
@@ -235,7 +236,7 @@ def test_classes_up_to_batch_buckets_run_leaf_by_leaf():
     def shifts(batch):
         @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
         def f(x):
-            sums, _, _ = _aggregate_pca(list(x[0]), bases, means, "d", jax.random.key(0),
+            sums, _, _ = sum_on_pca_ring(list(x[0]), bases, means, "d", jax.random.key(0),
                                         batch=batch)
             return jnp.stack(sums)[None]
         return count_primitives(jax.make_jaxpr(f)(xs).jaxpr, "ppermute")

@@ -84,12 +84,13 @@ from jax import lax
 
 import qcollect as qc
 from qcollect.checks import check_choice, check_float, check_int
-from transforms._policy import check_compressor, group_indices, leaf_choices, sum_uncompressed
+from transforms._gradiveq_cycle import LeafPlan, Schedule, refreshed
+from transforms._gradiveq_sums import aggregate
+from transforms._policy import check_compressor, leaf_choices, sum_uncompressed
 from transforms._sharding import (
     all_finite,
     check_local_gradients,
     leaves_like,
-    mesh_axes,
     per_device,
 )
 from transforms._state import (
@@ -149,46 +150,6 @@ class GradiVeQState(NamedTuple):
     cycle_start: jax.Array
 
 
-class Phase(NamedTuple):
-    """Where one step falls in the `Schedule`: traced scalars, equal on all devices.
-
-    Warm-up steps neither sample nor compress.
-    """
-
-    sampling: jax.Array     # bool: one of the cycle's L_t sampling steps
-    compressing: jax.Array  # bool: one of the cycle's L_c compressed steps
-    slot: jax.Array         # int32: the sample slot a sampling step writes
-    fits: jax.Array         # bool: the last sampling step, after which the compressors are fitted
-    ends: jax.Array         # bool: the last compressed step of the cycle
-
-
-@dataclasses.dataclass(frozen=True)
-class Schedule:
-    """GradiVeQ's static schedule: ``warmup_steps``, then cycles of
-    ``sample_steps`` (``L_t``) sampling steps and ``compressed_steps``
-    (``L_c``) compressed steps (section 3, "System Overview")."""
-
-    warmup_steps: int
-    sample_steps: int
-    compressed_steps: int
-
-    @property
-    def cycle(self) -> int:
-        return self.sample_steps + self.compressed_steps
-
-    def phase(self, count, cycle_start) -> Phase:
-        """The phase of step ``count`` in the cycle that began at ``cycle_start``."""
-        since = count - cycle_start
-        position = jnp.mod(jnp.maximum(since, 0), self.cycle)
-        started = since >= 0
-        sampling = started & (position < self.sample_steps)
-        compressing = started & (position >= self.sample_steps)
-        return Phase(sampling=sampling, compressing=compressing,
-                     slot=jnp.clip(position, 0, self.sample_steps - 1),
-                     fits=sampling & (position == self.sample_steps - 1),
-                     ends=compressing & (position == self.cycle - 1))
-
-
 @dataclasses.dataclass(frozen=True)
 class _Settings:
     """The validated static settings of one `gradiveq` transformation."""
@@ -208,13 +169,6 @@ class _Settings:
     mean: bool
     error_feedback: bool
     batch_buckets: qc.BatchBuckets
-
-
-class _Leaf(NamedTuple):
-    slice_size: int    # K
-    columns: int       # r, static basis width
-    sampled: int       # s, slices sampled per step
-    num_slices: int    # full slices in the leaf
 
 
 def gradiveq(axis_name, *, key: jax.Array, slice_size: int | Callable,
@@ -332,7 +286,7 @@ def _validated(axis_name, *, slice_size, loss_threshold, rank, max_rank, schedul
         mean=mean, error_feedback=error_feedback, batch_buckets=batch_buckets)
 
 
-def _leaf_plan(path, leaf, settings: _Settings) -> _Leaf | None:
+def _leaf_plan(path, leaf, settings: _Settings) -> LeafPlan | None:
     """The static layout of a leaf the policy keeps, or None for one smaller than a slice."""
     size = int(np.prod(np.shape(leaf)))
     k = settings.slice_size(path, leaf) if callable(settings.slice_size) else settings.slice_size
@@ -346,11 +300,11 @@ def _leaf_plan(path, leaf, settings: _Settings) -> _Leaf | None:
         raise ValueError(f"rank must be an integer in [1, {k}] (the slice size of "
                          f"{jax.tree_util.keystr(path)}), got {rank!r}")
     columns = rank if rank is not None else min(settings.max_rank, k)
-    return _Leaf(k, columns, min(settings.sample_slices, size // k), size // k)
+    return LeafPlan(k, columns, min(settings.sample_slices, size // k), size // k)
 
 
-def _plan(tree, settings: _Settings) -> list[_Leaf | None]:
-    """Each leaf's `_Leaf` (flatten order), None for the leaves that go uncompressed."""
+def _plan(tree, settings: _Settings) -> list[LeafPlan | None]:
+    """Each leaf's `LeafPlan` (flatten order), None for the leaves that go uncompressed."""
     compress_if = settings.compress_if or (lambda path, leaf: np.ndim(leaf) >= 2)
     return leaf_choices(tree, functools.partial(_leaf_plan, settings=settings),
                         min_size=settings.min_size, compress_if=compress_if)
@@ -380,7 +334,7 @@ def _init(params, *, key, settings: _Settings) -> GradiVeQState:
     )
 
 
-def _expected_shapes(plan: _Leaf | None, settings: _Settings) -> dict:
+def _expected_shapes(plan: LeafPlan | None, settings: _Settings) -> dict:
     """The per-leaf entries `_init` keeps for a leaf of this plan, and their shapes."""
     if plan is None:
         return {}
@@ -428,8 +382,8 @@ def _update(grads, state: GradiVeQState, params=None, *, settings: _Settings):
           for i, r in zip(idx, mine["residual"], strict=True)]
     if idx:
         step_key = jax.random.fold_in(state.key, state.count)
-        sums, contributed, votes = _aggregate(xs, mine["basis"], mine["mean"], phase, step_key,
-                                              settings)
+        sums, contributed, votes = aggregate(xs, mine["basis"], mine["mean"],
+                                             phase.compressing, step_key, settings)
         for j, i in enumerate(idx):
             value = sums[j] / n if settings.mean else sums[j]
             out[i] = value.astype(leaves[i].dtype)
@@ -444,7 +398,10 @@ def _update(grads, state: GradiVeQState, params=None, *, settings: _Settings):
         if settings.stop_loss is not None:  # a cycle also ends early on a majority vote
             ended = ended | (phase.compressing & finite & (2 * votes > n))
         valid = jnp.where(phase.sampling, valid.at[phase.slot].set(finite), valid)
-        fresh = _advance(xs, sums, contributed, mine, cplans, valid, phase, finite, settings)
+        fresh = refreshed(mine, sums, cplans, valid, phase, finite, rank=settings.rank,
+                          loss_threshold=settings.loss_threshold)
+        if settings.error_feedback:
+            fresh["residual"] = [x - c for x, c in zip(xs, contributed, strict=True)]
         for name, values in fresh.items():
             for j, i in enumerate(idx):
                 new[name][i] = values[j]
@@ -461,136 +418,3 @@ def _update(grads, state: GradiVeQState, params=None, *, settings: _Settings):
         count=next_count,
         cycle_start=jnp.where(ended, next_count, state.cycle_start),
     )
-
-
-def _aggregate(xs, bases, means, phase: Phase, key, settings: _Settings):
-    """The compressed leaves summed over devices: on the PCA ring in the
-    compressed phase, else through the sample compressor.
-
-    Returns ``(sums, contributed, votes)`` (see `_aggregate_pca`).
-    """
-    s = settings
-    return lax.cond(
-        phase.compressing,
-        lambda: _aggregate_pca(xs, bases, means, s.axis_name, key, s.stop_loss,
-                               s.batch_buckets),
-        lambda: _aggregate_sampled(xs, s.axis_name, s.sample_compressor, key,
-                                   s.sample_algorithm, s.batch_buckets))
-
-
-def _advance(xs, sums, contributed, mine: dict, plans: list, valid, phase: Phase, finite,
-             settings: _Settings) -> dict:
-    """The compressed leaves' next entries (name -> list): residuals, samples
-    written on a finite sampling step, and the compressors refitted after the
-    cycle's last sampling step."""
-    fresh = {"samples": _record_samples(mine["samples"], sums, plans, phase, finite)}
-    if settings.error_feedback:
-        fresh["residual"] = [x - c for x, c in zip(xs, contributed, strict=True)]
-    old = (mine["basis"], mine["mean"], mine["rank"])
-    fitted = lax.cond(phase.fits & jnp.any(valid),
-                      lambda: _fit(fresh["samples"], valid, plans, settings), lambda: old)
-    fresh.update(zip(("basis", "mean", "rank"), fitted, strict=True))
-    return fresh
-
-
-def _record_samples(samples, sums, plans, phase: Phase, finite) -> list:
-    """Each leaf's sample buffer with its sampled slices written in this step's
-    slot, on a sampling step with finite gradients."""
-    write = phase.sampling & finite
-    out = []
-    for buffer, total, plan in zip(samples, sums, plans, strict=True):
-        rows = _sample_rows(total.reshape(-1), plan)
-        written = lax.dynamic_update_index_in_dim(buffer, rows, phase.slot, 0)
-        out.append(jnp.where(write, written, buffer))
-    return out
-
-
-def _sample_rows(flat, leaf: _Leaf):
-    """The ``s`` evenly spaced full slices of a flat leaf, concatenated: ``(s * K,)``."""
-    k = leaf.slice_size
-    starts = [(j * leaf.num_slices) // leaf.sampled * k for j in range(leaf.sampled)]
-    return jnp.concatenate([flat[a:a + k] for a in starts])
-
-
-def _fit(samples, valid, plans, settings: _Settings):
-    """``(bases, means, ranks)``: eq. (6) fitted to each leaf's sample buffer."""
-    bases, means, ranks = [], [], []
-    for buffer, plan in zip(samples, plans, strict=True):
-        result = qc.pca_fit(_fill_invalid(buffer, valid), slice_size=plan.slice_size,
-                            rank=settings.rank, loss_threshold=settings.loss_threshold,
-                            max_rank=None if settings.rank is not None else plan.columns,
-                            slices="all")
-        bases.append(result.basis.astype(jnp.float32))
-        means.append(result.mean.astype(jnp.float32))
-        ranks.append(jnp.asarray(result.rank, jnp.int32))
-    return bases, means, ranks
-
-
-def _fill_invalid(samples, valid):
-    """Rows of slots without a sample replaced by copies of valid rows (cyclically)."""
-    slots = valid.shape[0]
-    order = jnp.argsort(jnp.logical_not(valid), stable=True)   # valid slots first
-    nvalid = jnp.maximum(jnp.sum(valid.astype(jnp.int32)), 1)
-    rank_of = jnp.cumsum(jnp.logical_not(valid).astype(jnp.int32)) - 1
-    source = jnp.where(valid, jnp.arange(slots), order[jnp.mod(rank_of, nvalid)])
-    return samples[source]
-
-
-def _aggregate_sampled(xs, axis_name, compressor, key, algorithm, batch=qc.BATCH_BUCKETS):
-    """Sum over devices through the sample compressor (or exactly): (sums, contributed)."""
-    if compressor is None:
-        sums = qc.fused_psum(list(xs), axis_name)
-        return sums, list(xs), jnp.zeros((), jnp.int32)
-    result = qc.compressed_all_reduce(xs, axis_name, compressor, key, algorithm=algorithm,
-                                      batch_buckets=batch)
-    return (list(result.value), [c.astype(jnp.float32) for c in result.contributed],
-            jnp.zeros((), jnp.int32))
-
-
-def _aggregate_pca(xs, bases, means, axis_name, key, stop_loss=None,
-                   batch=qc.BATCH_BUCKETS):
-    """Compressed-domain ring sum, one PCA compressor per leaf.
-
-    Leaves of one shape and basis shape form a class. Where
-    `qcollect.runs_batched` says so for ``batch`` (by default: leaves of at
-    most 4 MiB, or more than 16 larger ones), a class runs as one batch
-    (`jax.vmap` over the leaves, each with its own basis, mean and key): the
-    program holds one ring per class, not per leaf, and each hop carries the
-    whole class's payloads in one message, for the price of a copy of the
-    leaves into a stack (the rule and its measurements are those of the
-    buckets of `qcollect.compressed_all_reduce`). Other classes run leaf by
-    leaf. Results are the leaves' own either way.
-
-    Returns ``(sums, contributed, votes)``: ``votes`` is the number of devices
-    whose local compression loss (eq. 7) over ``||x||^2`` exceeds
-    ``stop_loss`` (0 without it).
-    """
-    # The payloads summed: one per device, or one per node when hierarchical.
-    axes = mesh_axes(axis_name)
-    n = int(lax.axis_size(axes[0] if len(axes) == 2 else axis_name))
-
-    def reduce_leaf(x, u, mu, leaf_key):
-        result = qc.compressed_all_reduce(x, axis_name, qc.pca(u, mu, num_workers=n),
-                                          leaf_key, algorithm="ring")
-        return result.value.astype(jnp.float32), result.contributed.astype(jnp.float32)
-
-    sums, contributed = [None] * len(xs), [None] * len(xs)
-    classes = group_indices([tuple((jnp.shape(a), jnp.result_type(a)) for a in arrays)
-                             for arrays in zip(xs, bases, means, strict=True)])
-    for members in classes.values():
-        keys = [jax.random.fold_in(key, j) for j in members]
-        nbytes = int(np.prod(jnp.shape(xs[members[0]]))) * jnp.result_type(xs[members[0]]).itemsize
-        if not qc.runs_batched(len(members), nbytes, batch):
-            for j, leaf_key in zip(members, keys, strict=True):
-                sums[j], contributed[j] = reduce_leaf(xs[j], bases[j], means[j], leaf_key)
-            continue
-        stacked = [jnp.stack([arrays[j] for j in members]) for arrays in (xs, bases, means)]
-        class_sums, class_contributed = jax.vmap(reduce_leaf)(*stacked, jnp.stack(keys))
-        for t, j in enumerate(members):
-            sums[j], contributed[j] = class_sums[t], class_contributed[t]
-    if stop_loss is None:
-        return sums, contributed, jnp.zeros((), jnp.int32)
-    loss = sum(jnp.sum((x - c) ** 2) for x, c in zip(xs, contributed, strict=True))
-    energy = sum(jnp.sum(x ** 2) for x in xs)
-    vote = (loss > stop_loss * energy).astype(jnp.int32)
-    return sums, contributed, lax.psum(vote, axis_name)

@@ -1,0 +1,127 @@
+"""GradiVeQ's cycle: the schedule of phases and the compressors fitted on samples.
+
+Yu et al., GradiVeQ (section 3, "System Overview"): after ``warmup_steps``,
+cycles of ``L_t`` sampling steps, whose aggregated gradients are sampled
+slice by slice (`record_samples`), and ``L_c`` compressed steps; after the
+last sampling step the PCA compressors are fitted on the samples (`fit`,
+eq. 6). `Schedule.phase` says where a step falls, from the step count alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import qcollect as qc
+
+__all__ = ["LeafPlan", "Phase", "Schedule", "fill_invalid", "fit", "record_samples",
+           "refreshed", "sample_rows"]
+
+
+class Phase(NamedTuple):
+    """Where one step falls in the `Schedule`: traced scalars, equal on all devices.
+
+    Warm-up steps neither sample nor compress.
+    """
+
+    sampling: jax.Array     # bool: one of the cycle's L_t sampling steps
+    compressing: jax.Array  # bool: one of the cycle's L_c compressed steps
+    slot: jax.Array         # int32: the sample slot a sampling step writes
+    fits: jax.Array         # bool: the last sampling step, after which the compressors are fitted
+    ends: jax.Array         # bool: the last compressed step of the cycle
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """GradiVeQ's static schedule: ``warmup_steps``, then cycles of
+    ``sample_steps`` (``L_t``) sampling steps and ``compressed_steps``
+    (``L_c``) compressed steps (section 3, "System Overview")."""
+
+    warmup_steps: int
+    sample_steps: int
+    compressed_steps: int
+
+    @property
+    def cycle(self) -> int:
+        return self.sample_steps + self.compressed_steps
+
+    def phase(self, count, cycle_start) -> Phase:
+        """The phase of step ``count`` in the cycle that began at ``cycle_start``."""
+        since = count - cycle_start
+        position = jnp.mod(jnp.maximum(since, 0), self.cycle)
+        started = since >= 0
+        sampling = started & (position < self.sample_steps)
+        compressing = started & (position >= self.sample_steps)
+        return Phase(sampling=sampling, compressing=compressing,
+                     slot=jnp.clip(position, 0, self.sample_steps - 1),
+                     fits=sampling & (position == self.sample_steps - 1),
+                     ends=compressing & (position == self.cycle - 1))
+
+
+class LeafPlan(NamedTuple):
+    """How one compressed leaf is sliced and sampled (section 3)."""
+
+    slice_size: int    # K
+    columns: int       # r, static basis width
+    sampled: int       # s, slices sampled per step
+    num_slices: int    # full slices in the leaf
+
+
+def refreshed(mine: dict, sums, plans: list, valid, phase: Phase, finite, *,
+              rank: int | None, loss_threshold: float | None) -> dict:
+    """The compressed leaves' next samples (written on a finite sampling
+    step) and compressors (refitted after the cycle's last sampling step),
+    name -> list, from their current entries ``mine``."""
+    samples = record_samples(mine["samples"], sums, plans, phase, finite)
+    old = (mine["basis"], mine["mean"], mine["rank"])
+    fitted = lax.cond(phase.fits & jnp.any(valid),
+                      lambda: fit(samples, valid, plans, rank=rank, loss_threshold=loss_threshold),
+                      lambda: old)
+    return {"samples": samples, **dict(zip(("basis", "mean", "rank"), fitted, strict=True))}
+
+
+def record_samples(samples, sums, plans, phase: Phase, finite) -> list:
+    """Each leaf's sample buffer with its sampled slices written in this step's
+    slot, on a sampling step with finite gradients."""
+    write = phase.sampling & finite
+    out = []
+    for buffer, total, plan in zip(samples, sums, plans, strict=True):
+        rows = sample_rows(total.reshape(-1), plan)
+        written = lax.dynamic_update_index_in_dim(buffer, rows, phase.slot, 0)
+        out.append(jnp.where(write, written, buffer))
+    return out
+
+
+def sample_rows(flat, leaf: LeafPlan):
+    """The ``s`` evenly spaced full slices of a flat leaf, concatenated: ``(s * K,)``."""
+    k = leaf.slice_size
+    starts = [(j * leaf.num_slices) // leaf.sampled * k for j in range(leaf.sampled)]
+    return jnp.concatenate([flat[a:a + k] for a in starts])
+
+
+def fit(samples, valid, plans, *, rank: int | None, loss_threshold: float | None):
+    """``(bases, means, ranks)``: eq. (6) fitted to each leaf's sample buffer."""
+    bases, means, ranks = [], [], []
+    for buffer, plan in zip(samples, plans, strict=True):
+        result = qc.pca_fit(fill_invalid(buffer, valid), slice_size=plan.slice_size,
+                            rank=rank, loss_threshold=loss_threshold,
+                            max_rank=None if rank is not None else plan.columns,
+                            slices="all")
+        bases.append(result.basis.astype(jnp.float32))
+        means.append(result.mean.astype(jnp.float32))
+        ranks.append(jnp.asarray(result.rank, jnp.int32))
+    return bases, means, ranks
+
+
+def fill_invalid(samples, valid):
+    """Rows of slots without a sample replaced by copies of valid rows (cyclically)."""
+    slots = valid.shape[0]
+    order = jnp.argsort(jnp.logical_not(valid), stable=True)   # valid slots first
+    nvalid = jnp.maximum(jnp.sum(valid.astype(jnp.int32)), 1)
+    rank_of = jnp.cumsum(jnp.logical_not(valid).astype(jnp.int32)) - 1
+    source = jnp.where(valid, jnp.arange(slots), order[jnp.mod(rank_of, nvalid)])
+    return samples[source]
