@@ -136,15 +136,19 @@ def _digest(tree) -> str:
 def program_digest(compiled_text: str) -> str:
     """SHA-256 of an optimised HLO text with its source locations left out
     (each instruction's ``metadata={...}`` and the module's tables of files,
-    functions and stack frames before its first computation): equal for one
-    program traced from code that moved between lines or files."""
+    functions and stack frames before its first computation) and its
+    ``%names`` numbered in order of appearance: equal for one program traced
+    from code that moved between lines or files, or whose functions were
+    renamed."""
     import hashlib
     import re
 
     header, *rest = compiled_text.splitlines()
     first = next((i for i, line in enumerate(rest) if line.startswith(("%", "ENTRY"))),
                  len(rest))
-    text = re.sub(r", metadata=\{[^}]*\}", "", "\n".join([header, *rest[first:]]))
+    text = re.sub(r", metadata=\{[^}]*\}", "", "\n".join(rest[first:]))
+    names: dict[str, str] = {}
+    text = re.sub(r"%[\w.\-]+", lambda m: names.setdefault(m.group(), f"%{len(names)}"), text)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

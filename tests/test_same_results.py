@@ -33,11 +33,14 @@ def test_digest_sees_one_bit_and_nothing_else():
 def test_program_digest_ignores_source_locations_only():
     digest = _module().program_digest
     program = ('HloModule jit_step\n\nFileNames\n1 "{path}/train.py"\n\n'
-               'ENTRY %main {{\n  %add.1 = f32[4]{{0}} add(%a, %b), '
+               'ENTRY %main {{\n  %a = f32[4]{{0}} parameter(0)\n'
+               '  %b = f32[4]{{0}} parameter(1)\n  %add.1 = f32[4]{{0}} add(%a, %b), '
                'metadata={{op_name="jit(step)/add" source_line={line}}}\n}}\n')
     here = digest(program.format(path="/a", line=10))
     assert here == digest(program.format(path="/tmp/b", line=99))
+    assert here == digest(program.format(path="/a", line=10).replace("%add.1", "%sum.7"))
     assert here != digest(program.format(path="/a", line=10).replace("add(", "multiply("))
+    assert here != digest(program.format(path="/a", line=10).replace("(%a, %b)", "(%b, %a)"))
 
 
 @pytest.mark.parametrize("argv, message", [
