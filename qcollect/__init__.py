@@ -25,7 +25,13 @@ from qcollect._buckets import (
     runs_batched,
 )
 from qcollect._compressed import ALGORITHMS, Algorithm, AllReduceResult, compressed_all_reduce
-from qcollect._entropy import EntropyCompressor, EntropyPlan, PlannedEntropyCompressor, entropy
+from qcollect._entropy import (
+    EntropyCodec,
+    EntropyCompressor,
+    EntropyPlan,
+    PlannedEntropyCompressor,
+    entropy,
+)
 from qcollect._groups import matrix_view
 from qcollect._layout import BUCKET_BYTES, leaf_chunks
 from qcollect._messages import fused_psum
@@ -74,6 +80,7 @@ __all__ = [
     "BatchBuckets",
     "CastCompressor",
     "Compressor",
+    "EntropyCodec",
     "EntropyCompressor",
     "EntropyPlan",
     "OneBitCompressor",

@@ -87,7 +87,8 @@ from qcollect._entropy_stats import (
 from qcollect._packing import pack_bits, packed_words, unpack_bits
 from qcollect._payload import Compressor, Payload, check_format
 
-__all__ = ["EntropyCompressor", "EntropyPlan", "PlannedEntropyCompressor", "entropy"]
+__all__ = ["EntropyCodec", "EntropyCompressor", "EntropyPlan", "PlannedEntropyCompressor",
+           "entropy"]
 
 _SETTINGS = ("sample_fraction", "prelim_bits", "floor", "ceiling", "huffman", "block_size")
 
@@ -118,7 +119,7 @@ class _EntropySettings(Compressor):
       ceiling: the cap on the bit-width ``N``.
       huffman: whether the values are Huffman coded.
       block_size: values per decodable block, or None for one block.
-      codec: the `_Codec` behind ``encode`` and ``decode`` (not a setting).
+      codec: the `EntropyCodec` behind ``encode`` and ``decode`` (not a setting).
     """
 
     sample_fraction: float
@@ -127,7 +128,7 @@ class _EntropySettings(Compressor):
     ceiling: int
     huffman: bool
     block_size: int | None
-    codec: _Codec
+    codec: EntropyCodec
 
     setting_names: ClassVar[tuple[str, ...]] = _SETTINGS
 
@@ -242,17 +243,19 @@ def entropy(*, sample_fraction: float = 0.03, prelim_bits: int = 4, floor: int =
     if not isinstance(huffman, bool):
         raise ValueError(f"huffman must be True or False, got {huffman!r}")
     block_size = check_int("block_size", block_size, low=1, allow_none=True)
-    codec = _Codec(sample_fraction, prelim_bits, floor, ceiling, huffman, block_size)
+    codec = EntropyCodec(sample_fraction, prelim_bits, floor, ceiling, huffman, block_size)
     return EntropyCompressor(codec.name, codec.encode, codec.decode, linear=False,
                              stochastic=codec.stochastic, grouping="leaf", masks_padding=True,
                              variant=codec.variant, codec=codec, **codec.settings())
 
 
-class _Codec:
+class EntropyCodec:
     """The entropy quantizer of one set of settings: plan, encode, decode.
 
     Every compressor it makes (the unplanned one and one per plan) holds it
-    as ``codec`` and encodes and decodes through it.
+    as ``codec`` and encodes and decodes through it. (The collectives bind
+    any compressor to a segment's padding counts in another type,
+    `qcollect._algorithms.Codec`.)
     """
 
     def __init__(self, fraction, prelim, floor, ceiling, huffman, block):
