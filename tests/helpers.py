@@ -1,6 +1,8 @@
 """Shared test helpers: meshes, shard_map wrappers and the data-parallel train steps."""
 
 import functools
+import importlib.util
+import pathlib
 
 import jax
 from jax.sharding import NamedSharding
@@ -182,3 +184,13 @@ def count_primitives(jaxpr, name: str) -> int:
                 if hasattr(sub, "eqns"):
                     count += count_primitives(sub, name)
     return count
+
+
+def example_script(name: str):
+    """``examples/<name>.py`` loaded as a module (the examples are scripts,
+    not a package)."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

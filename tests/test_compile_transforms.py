@@ -1,21 +1,18 @@
 """examples/compile_transforms.py: one transform step compiled (and timed) on a small tree."""
 
-import importlib.util
 import pathlib
 import sys
 
 import pytest
+
+from tests.helpers import example_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("compile_transforms",
-                                                  ROOT / "examples" / "compile_transforms.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return example_script("compile_transforms")
 
 
 @pytest.mark.slow  # compiles and runs GradiVeQ twice

@@ -1,6 +1,5 @@
 """examples/same_results.py: the side-by-side check of this tree against a revision."""
 
-import importlib.util
 import pathlib
 import shutil
 import subprocess
@@ -8,15 +7,13 @@ import subprocess
 import jax.numpy as jnp
 import pytest
 
+from tests.helpers import example_script
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("same_results",
-                                                  ROOT / "examples" / "same_results.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return example_script("same_results")
 
 
 def test_digest_sees_one_bit_and_nothing_else():
