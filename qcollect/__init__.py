@@ -15,7 +15,7 @@ package, installed by the same distribution.
 """
 
 from qcollect._adaptive import AdaptiveCompressor, adaptive
-from qcollect._algorithms import collective_codec
+from qcollect._algorithms import EXCHANGES, Exchange, collective_codec
 from qcollect._baseline import CastCompressor, cast, identity
 from qcollect._buckets import (
     AUTO_BATCH_BYTES,
@@ -59,6 +59,7 @@ from qcollect._powersgd import (
 from qcollect._qsgd import QSGD_BUCKET_SIZES, QSGDCompressor, qsgd
 from qcollect._ring import (
     all_gather_invariant,
+    exchange_chunks,
     permute,
     ring_all_gather,
     ring_all_reduce,
@@ -70,10 +71,12 @@ from qcollect._wire import WireOp, bytes_along, wire_bytes, wire_bytes_by_axis, 
 
 __all__ = [
     "ALGORITHMS",
+    "EXCHANGES",
     "AUTO_BATCH_BYTES",
     "AUTO_TRACE_LIMIT",
     "AdaptiveCompressor",
     "Algorithm",
+    "Exchange",
     "AllReduceResult",
     "BATCH_BUCKETS",
     "BUCKET_BYTES",
@@ -109,6 +112,7 @@ __all__ = [
     "pack_bits",
     "packed_words",
     "payload_bytes",
+    "exchange_chunks",
     "permute",
     "pca",
     "pca_fit",

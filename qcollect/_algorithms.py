@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +23,7 @@ from qcollect._result import AllReduceResult
 from qcollect._ring import (
     all_gather_invariant,
     as_varying,
+    exchange_chunks,
     permute,
     shift_right,
     take_chunk,
@@ -30,8 +31,28 @@ from qcollect._ring import (
 from qcollect._segments import RowSegment, Segment
 from qcollect.checks import check_int
 
-__all__ = ["ChunkSource", "Chunks", "Codec", "Stacked", "collective_codec", "reduce_pieces",
-           "reduce_segment"]
+__all__ = ["EXCHANGES", "ChunkSource", "Chunks", "Codec", "Exchange", "Stacked",
+           "collective_codec", "reduce_pieces", "reduce_segment", "resolve_exchange"]
+
+EXCHANGES = ("all_to_all", "permute")
+#: How the pairwise and compressed-ring algorithms move each chunk's payloads
+#: to its owner: one of `EXCHANGES` or ``"auto"`` (`resolve_exchange`).
+Exchange = Literal["auto", "all_to_all", "permute"]
+
+
+def resolve_exchange(exchange: str) -> str:
+    """``"auto"`` made concrete: ``"all_to_all"`` when the job spans several
+    processes, ``"permute"`` in one process.
+
+    Measured on the CPU backend (jaxlib 0.10, 2 cores, `docs/collectives.md`,
+    "One all-to-all or N - 1 shifts"): across 4 processes Gloo runs the
+    all-to-all's transfers at once, and on a 100 Mbit/s link it moved 4 MiB
+    per process in two thirds of the shifts' time; between devices of one
+    process the shifts are memory copies and the all-to-all was slower.
+    """
+    if exchange != "auto":
+        return exchange
+    return "all_to_all" if jax.process_count() > 1 else "permute"
 
 
 class ChunkSource(Protocol):
@@ -177,27 +198,48 @@ def _gather(axis_name, payload):
     return jax.tree.unflatten(treedef, gathered)
 
 
-def _ring_compressed(chunks, axis_name, codec, key, n, me):
-    payloads, contributed = codec.round_trip_all(chunks, _chunk_keys(key, n))
-    own = lambda j: jax.tree.map(lambda leaf: take_chunk(leaf, j), payloads)  # noqa: E731
-
-    def step(s, acc):
-        received = shift_right(acc, axis_name, n)
-        return jax.tree.map(jnp.add, received, own(me - s - 2))
-
-    reduced = lax.fori_loop(0, n - 1, step, as_varying(own(me - 1), axis_name))
-    gathered = _gather(axis_name, reduced)
-    return AllReduceResult(codec.decode_all(gathered), contributed, None)
-
-
-def _pairwise(chunks, axis_name, codec, key, n, me, owner_residual):
-    payloads, contributed = codec.round_trip_all(chunks, _chunk_keys(key, n))
+def _received(payloads, axis_name, n, me, exchange: str) -> list:
+    """The ``n`` payloads of chunk ``me``, ``received[t]`` from device
+    ``me - t``, ``payloads`` holding this device's ``n`` stacked ones: one
+    `exchange_chunks`, or N - 1 `permute` shifts (shift t moves payload
+    ``r + t`` from device r to device ``r + t``; each shift is its own
+    permutation, so they are unrolled rather than looped). The order is the
+    same both ways, so are the owner's sums."""
+    if exchange == "all_to_all":
+        every = exchange_chunks(as_varying(payloads, axis_name), axis_name)
+        return [jax.tree.map(lambda leaf, t=t: take_chunk(leaf, me - t), every)
+                for t in range(n)]
     mine = lambda j: jax.tree.map(lambda leaf: take_chunk(leaf, j), payloads)  # noqa: E731
-    # received[t] comes from device me - t and encodes chunk `me`.
     received = [mine(me)]
     for t in range(1, n):
         perm = [(i, (i + t) % n) for i in range(n)]
         received.append(permute(mine(me + t), axis_name, perm))
+    return received
+
+
+def _ring_compressed(chunks, axis_name, codec, key, n, me, exchange):
+    payloads, contributed = codec.round_trip_all(chunks, _chunk_keys(key, n))
+    if exchange == "all_to_all":
+        # The scatter-reduce as one exchange: the owner adds the n payloads
+        # of its chunk in the compressed domain, as the ring's hops would.
+        reduced = functools.reduce(
+            lambda a, b: jax.tree.map(jnp.add, a, b),
+            _received(payloads, axis_name, n, me, exchange))
+    else:
+        own = lambda j: jax.tree.map(lambda leaf: take_chunk(leaf, j), payloads)  # noqa: E731
+
+        def step(s, acc):
+            received = shift_right(acc, axis_name, n)
+            return jax.tree.map(jnp.add, received, own(me - s - 2))
+
+        reduced = lax.fori_loop(0, n - 1, step, as_varying(own(me - 1), axis_name))
+    gathered = _gather(axis_name, reduced)
+    return AllReduceResult(codec.decode_all(gathered), contributed, None)
+
+
+def _pairwise(chunks, axis_name, codec, key, n, me, owner_residual, exchange):
+    payloads, contributed = codec.round_trip_all(chunks, _chunk_keys(key, n))
+    received = _received(payloads, axis_name, n, me, exchange)
     # Decode and add one payload at a time: one fused elementwise pass.
     # (Stacking the decodes and summing over axis 0 is a major-axis reduction,
     # which XLA:CPU runs many times slower than the adds.)
@@ -234,9 +276,10 @@ def _ring_requantize(chunks, axis_name, codec, key, n, me):
 
 
 def reduce_segment(chunks: ChunkSource, axis_name, codec, *, key, algorithm,
-                   owner_residual) -> AllReduceResult:
+                   owner_residual, exchange: str = "permute") -> AllReduceResult:
     """One segment's chunks -> `AllReduceResult` ``(value, contributed,
-    owner_error)``, each stacked ``(n, *chunk_shape)``."""
+    owner_error)``, each stacked ``(n, *chunk_shape)``; ``exchange`` (one of
+    `EXCHANGES`) moves the payloads of ``"ring"`` and ``"pairwise"``."""
     n = chunks.n
     if n == 1:
         payload, decoded = codec.round_trip(chunks.take(0), key, 0)
@@ -247,9 +290,9 @@ def reduce_segment(chunks: ChunkSource, axis_name, codec, *, key, algorithm,
     me = lax.axis_index(axis_name)
     chunks = chunks._replace(data=as_varying(chunks.data, axis_name))
     if algorithm == "ring":
-        return _ring_compressed(chunks, axis_name, codec, key, n, me)
+        return _ring_compressed(chunks, axis_name, codec, key, n, me, exchange)
     if algorithm == "pairwise":
-        return _pairwise(chunks, axis_name, codec, key, n, me, owner_residual)
+        return _pairwise(chunks, axis_name, codec, key, n, me, owner_residual, exchange)
     return _ring_requantize(chunks, axis_name, codec, key, n, me)
 
 
@@ -275,7 +318,7 @@ def _pieces(chunks: Chunks, valid, residual, pipeline: int):
 
 
 def reduce_pieces(chunks, axis_name, compressor, *, valid, key, algorithm, residual,
-                  pipeline) -> AllReduceResult:
+                  pipeline, exchange: str = "permute") -> AllReduceResult:
     """`reduce_segment` of each pipeline piece, the results joined along the rows."""
     pieces = _pieces(chunks, valid, residual, pipeline)
     results = []
@@ -283,7 +326,8 @@ def reduce_pieces(chunks, axis_name, compressor, *, valid, key, algorithm, resid
         codec = Codec(compressor, None if part_valid is None else jnp.asarray(part_valid))
         results.append(reduce_segment(part, axis_name, codec,
                                        key=key if len(pieces) == 1 else jax.random.fold_in(key, k),
-                                       algorithm=algorithm, owner_residual=part_residual))
+                                       algorithm=algorithm, owner_residual=part_residual,
+                                       exchange=exchange))
     if len(results) == 1:
         return results[0]
     return AllReduceResult(*(None if parts[0] is None else jnp.concatenate(parts, axis=1)

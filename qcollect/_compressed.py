@@ -17,9 +17,9 @@ differ in where encoding and decoding happen:
 ``"pairwise"`` -- pairwise-exchange reduce-scatter + ring all-gather with one
   re-quantization at the owner (Dryden et al. section 3.4; DeepSpeed's
   compressed all-reduce). Each chunk is encoded once by its origin and sent
-  straight to its owner over N - 1 `ppermute` shifts (shift t moves chunk
-  ``r + t`` from device r to device ``r + t``; each shift is its own
-  permutation, so they are unrolled rather than looped); the owner decodes
+  straight to its owner, in one ``all_to_all`` or over N - 1 `ppermute`
+  shifts (shift t moves chunk ``r + t`` from device r to device ``r + t``;
+  the ``exchange`` argument below); the owner decodes
   and sums the N payloads, re-encodes its reduced chunk once, and a ring
   all-gather moves that compressed result. The owner's re-encoding error is
   returned for a second level of error feedback.
@@ -36,6 +36,18 @@ the three algorithms above across nodes (``outer``) on each device's share.
 
 Randomness: every device uses ``fold_in(key, axis_index)``, then one more
 ``fold_in`` per chunk, hop or buffer, so no two encodings share a stream.
+
+Exchange (the ``exchange`` argument): the pairwise exchange's N - 1 transfers
+of every chunk to its owner can run as one `lax.all_to_all`, every device
+sending to every other at once (as ZeRO++'s qgZ moves its quantized
+reduce-scatter), or as N - 1 ``ppermute`` shifts one after the other, each
+its own exchange; the compressed-domain ring can likewise send every
+payload straight to its owner in one all_to_all and let the owner add the N
+payloads, in place of N - 1 hops. The bytes are the same. On the CPU
+backend the all-to-all kept a shaped link busier across processes, and the
+shifts (memory copies) were faster inside one process; ``"auto"`` picks by
+``jax.process_count()`` (`docs/collectives.md`, "One all-to-all or N - 1
+shifts").
 
 Segments, buckets and batches (the ``fuse``, ``bucket_bytes``, ``pipeline``
 and ``batch_buckets`` arguments):
@@ -80,7 +92,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from qcollect._algorithms import Chunks, reduce_pieces
+from qcollect._algorithms import EXCHANGES, Chunks, Exchange, reduce_pieces, resolve_exchange
 from qcollect._buckets import BATCH_BUCKETS, BatchBuckets, check_batch_buckets, reduce_buckets
 from qcollect._config import check_choice, check_int
 from qcollect._hierarchical import reduce_hierarchical
@@ -112,7 +124,8 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
                           algorithm: Algorithm = "auto", mean: bool = False, fuse: bool = True,
                           bucket_bytes: int | None = BUCKET_BYTES, pipeline: int = 1,
                           owner_residual=None,
-                          batch_buckets: BatchBuckets = BATCH_BUCKETS) -> AllReduceResult:
+                          batch_buckets: BatchBuckets = BATCH_BUCKETS,
+                          exchange: Exchange = "auto") -> AllReduceResult:
     """All-reduce of an array or pytree with every hop compressed.
 
     Args:
@@ -144,6 +157,13 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
       batch_buckets: which classes of equal buckets run as one batch
         (`qc.runs_batched`): ``"auto"`` (default: by bucket size),
         ``"always"``, ``"never"`` or an int ``K`` (more than ``K`` buckets).
+      exchange: how ``"pairwise"`` sends each chunk's payloads to its owner
+        and how ``"ring"`` sums them: ``"all_to_all"`` (one `lax.all_to_all`,
+        every transfer at once; the ring's sums then happen at the owner),
+        ``"permute"`` (N - 1 ``ppermute`` shifts, or the ring's N - 1 hops)
+        or ``"auto"`` (default): all_to_all when the job spans several
+        processes, else permute (module docstring). Same values and wire
+        bytes either way, up to the order of the sums.
 
     Returns:
       `AllReduceResult` ``(value, contributed, owner_error)``, each like ``x``
@@ -168,6 +188,7 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
     algorithm, pipeline, batch_buckets, axes = _checked_settings(
         compressor, key, axis_name, algorithm=algorithm, pipeline=pipeline,
         owner_residual=owner_residual, batch_buckets=batch_buckets)
+    check_choice("exchange", exchange, ("auto",) + EXCHANGES)
     key = jax.random.fold_in(jax.random.key(0) if key is None else key,
                              lax.axis_index(axis_name))
     n = int(lax.axis_size(axis_name))
@@ -179,7 +200,7 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
                              fuse=fuse, bucket_bytes=bucket_bytes)
     reduce_bucket = functools.partial(_reduce_bucket, axis_name=axis_name, axes=axes,
                                       compressor=compressor, algorithm=algorithm,
-                                      pipeline=pipeline)
+                                      pipeline=pipeline, exchange=resolve_exchange(exchange))
     reduced = reduce_buckets(segments, leaves, owners, key=key,
                              masks_padding=compressor.masks_padding,
                              reduce_bucket=reduce_bucket, batch_buckets=batch_buckets)
@@ -218,15 +239,17 @@ def _checked_settings(compressor: Compressor, key, axis_name, *, algorithm: str,
 
 
 def _reduce_bucket(data, valid, residual, *, key, layout, axis_name, axes,
-                   compressor: Compressor, algorithm: str, pipeline: int) -> AllReduceResult:
+                   compressor: Compressor, algorithm: str, pipeline: int,
+                   exchange: str) -> AllReduceResult:
     """One bucket's chunks reduced over ``axis_name``, or hierarchically over ``axes``."""
     chunks = Chunks(data, layout)
     residual = None if residual is None else Chunks(residual, layout)
     if axes is None:
         return reduce_pieces(chunks, axis_name, compressor, valid=valid, key=key,
-                             algorithm=algorithm, residual=residual, pipeline=pipeline)
+                             algorithm=algorithm, residual=residual, pipeline=pipeline,
+                             exchange=exchange)
     return reduce_hierarchical(chunks, axes, compressor, valid=valid, key=key,
-                               algorithm=algorithm, residual=residual)
+                               algorithm=algorithm, residual=residual, exchange=exchange)
 
 
 def _leaf_results(segments, reduced: list[AllReduceResult], leaves, treedef) -> AllReduceResult:

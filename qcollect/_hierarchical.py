@@ -61,7 +61,7 @@ def _reduce_scatter(grid, inner):
 
 
 def reduce_hierarchical(chunks: Chunks, axes, compressor, *, valid, key, algorithm,
-                        residual) -> AllReduceResult:
+                        residual, exchange: str = "permute") -> AllReduceResult:
     """One segment's ``n = M L`` chunks -> `AllReduceResult` ``(value,
     contributed, owner_error)``, each stacked ``(n, *chunk_shape)`` as
     `reduce_segment`'s; ``value`` is invariant along both axes."""
@@ -86,7 +86,7 @@ def reduce_hierarchical(chunks: Chunks, axes, compressor, *, valid, key, algorit
                                                            chunks.columns)
     value, contributed, owner_error = reduce_segment(
         Stacked(share, chunks.columns), outer, codec, key=key, algorithm=algorithm,
-        owner_residual=owner_residual)
+        owner_residual=owner_residual, exchange=exchange)
     # What this device's share lost to compression, taken off its own grid
     # row only (the other rows are contributed as they are).
     lost = share.astype(jnp.float32) - contributed.astype(jnp.float32)

@@ -36,6 +36,7 @@ from qcollect._vma import cast_varying
 
 __all__ = [
     "all_gather_invariant",
+    "exchange_chunks",
     "permute",
     "ring_all_gather",
     "ring_all_reduce",
@@ -91,6 +92,39 @@ def permute(x, axis_name, perm):
 
     leaves, treedef = jax.tree.flatten(x)
     return jax.tree.unflatten(treedef, send_packed(send, leaves))
+
+
+def exchange_chunks(x, axis_name):
+    """Every device's row ``me`` of ``x``, in one `lax.all_to_all`.
+
+    Each leaf of ``x`` is stacked ``(N, ...)``, row ``j`` meant for device
+    ``j`` of ``axis_name``; the result is like ``x``, its row ``s`` the row
+    ``me`` that device ``s`` holds (row ``me`` its own). The leaves travel
+    as one buffer of words (`qcollect._messages.pack`), 16-bit floats as
+    their uint16 words (`qcollect._backend`, entry 1): one exchange in which
+    every device sends to every other at once, where N - 1 `permute` shifts
+    send one after the other (the pairwise exchange's two ways,
+    `qcollect._algorithms`). Each device sends ``(N - 1) / N`` of ``x``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, qcollect as qc
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((2,), ("d",))
+      >>> swap = jax.shard_map(lambda t: qc.exchange_chunks(t, "d"), mesh=mesh,
+      ...                      in_specs=P("d"), out_specs=P("d"))
+      >>> x = jnp.array([[0.0], [1.0], [10.0], [11.0]])  # device 0: rows 0, 1
+      >>> swap(jax.device_put(x, NamedSharding(mesh, P("d")))).ravel().tolist()
+      [0.0, 10.0, 1.0, 11.0]
+    """
+    def send(leaf):
+        word = _backend.narrow_word(leaf.dtype)
+        if word is None:
+            return lax.all_to_all(leaf, axis_name, 0, 0)
+        moved = lax.all_to_all(lax.bitcast_convert_type(leaf, word), axis_name, 0, 0)
+        return lax.bitcast_convert_type(moved, leaf.dtype)
+
+    leaves, treedef = jax.tree.flatten(x)
+    return jax.tree.unflatten(treedef, send_packed(send, leaves, lead=1))
 
 
 def shift_right(x, axis_name, n: int):

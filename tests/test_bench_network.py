@@ -9,7 +9,7 @@ import pytest
 
 from qcollect.bench import network
 
-_METHODS = "psum,ring,cast-bf16,qsgd-4,onebit,pca"
+_METHODS = "psum,psum-bf16,ring,cast-bf16,qsgd-4,onebit,pca"
 
 
 def _bench(*args, timeout=240):
@@ -24,7 +24,7 @@ def rows(tmp_path_factory):
                  "--repeats", "2", "--methods", _METHODS, "--out", str(out))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert out.with_suffix(".png").stat().st_size > 1000
-    assert out.with_suffix(".md").read_text().count("\n") == 2 + 2 * 6
+    assert out.with_suffix(".md").read_text().count("\n") == 2 + 2 * 7
     with open(out.with_suffix(".csv")) as f:
         return {(float(r["mib"]), r["method"]): r for r in csv.DictReader(f)}
 
@@ -42,6 +42,10 @@ def test_uncompressed_methods_are_exact_and_psum_sized(rows):
         assert float(rows[(mib, "ring")]["relative_error"]) < 1e-6
         # Two processes: a ring all-reduce sends the whole buffer once.
         assert int(psum["wire_bytes"]) == int(rows[(mib, "ring")]["wire_bytes"]) == mib * 2**20
+        # A bfloat16 lax.psum: rounded to 16 bits, summed (and sent) as float32 on XLA:CPU.
+        half = rows[(mib, "psum-bf16")]
+        assert 0 < float(half["relative_error"]) < 1e-2
+        assert int(half["wire_bytes"]) == int(psum["wire_bytes"])
 
 
 def test_compressed_methods_send_fewer_bytes_with_bounded_error(rows):
@@ -71,6 +75,7 @@ def test_launch_command_runs_this_file_under_the_launcher():
     (["--pipeline", "0"], "--pipeline"),
     (["--pipeline", "two"], "--pipeline"),
     (["--batch-buckets", "some"], "--batch-buckets"),
+    (["--exchange", "all_to_all,gossip"], "--exchange"),
     (["--leaves", "0"], "--leaves"),
     (["--bucket-mib", "0"], "--bucket-mib"),
     (["--devices-per-process", "0"], "--devices-per-process"),
@@ -165,6 +170,27 @@ def test_pipeline_counts_name_one_row_per_compressed_method_and_count():
         "psum", "ring", "onebit", "onebit/p4", "pca", "pca/p4"]
     assert _network.variants(["psum", "onebit"], [1, 4], batches=("always", "never")) == [
         "psum", "onebit@always", "onebit@never", "onebit/p4@always", "onebit/p4@never"]
+    assert _network.variants(["psum", "onebit"], [1], exchanges=("all_to_all", "permute")) == [
+        "psum", "onebit:all_to_all", "onebit:permute"]
+
+
+def test_one_all_to_all_beside_the_shifts_across_processes(tmp_path):
+    """--exchange: each compressed method once per exchange, across two processes:
+    the same bytes, and pairwise the same sums bit for bit."""
+    out = tmp_path / "net"
+    run = _bench("--nproc", "2", "--bandwidth", "none", "--sizes", "0.0625",
+                 "--exchange", "all_to_all,permute", "--repeats", "1",
+                 "--methods", "psum,onebit,pca", "--out", str(out))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    with open(out.with_suffix(".csv")) as f:
+        rows = {r["method"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"psum", "onebit:all_to_all", "onebit:permute", "pca:all_to_all",
+                         "pca:permute"}
+    for m in ("onebit", "pca"):
+        one, shifts = rows[f"{m}:all_to_all"], rows[f"{m}:permute"]
+        assert int(one["wire_bytes"]) == int(shifts["wire_bytes"]) > 0
+        assert 0 < float(one["relative_error"]) < 1
+    assert rows["onebit:all_to_all"]["relative_error"] == rows["onebit:permute"]["relative_error"]
 
 
 @pytest.mark.slow  # two processes; the batch == traced equivalence runs in tests/test_buckets.py

@@ -170,6 +170,8 @@ def test_bad_arguments():
     for bad in (0, -1, 2.5):
         with pytest.raises(ValueError, match="pipeline"):
             run(compressor=qc.identity(), pipeline=bad)
+    with pytest.raises(ValueError, match="exchange"):
+        run(compressor=qc.identity(), exchange="broadcast")
 
 
 # Deterministic compressors, so that every pipeline count draws nothing random.
@@ -211,6 +213,76 @@ def _assert_same_reduction(x, base, piped, pipeline):
             scale = np.abs(np.asarray(x[name], np.float32)).sum(0).max()
             np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * scale + 1e-6,
                                        err_msg=f"pipeline={pipeline} {name} {field}")
+
+
+EXCHANGED = [(qc.identity(), "ring"), (qc.cast("bfloat16"), "ring"),
+             (qc.onebit(), "pairwise"), (qc.qsgd(bits=4), "pairwise"),
+             (qc.onebit(grouping="column"), "pairwise"), (qc.cast("bfloat16"), "pairwise")]
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+@pytest.mark.parametrize("compressor, algorithm", EXCHANGED,
+                         ids=lambda v: getattr(v, "name", v))
+def test_all_to_all_exchange_gives_the_permute_reduction(n, compressor, algorithm):
+    """exchange="all_to_all" moves the payloads of the ring and pairwise algorithms in
+    one all-to-all: pairwise gives bit for bit the values, contributions and owner
+    errors of the N - 1 shifts (the owner adds the same payloads in the same order);
+    the ring adds its payloads at the owner, so only the order of its sums differs.
+    A tree of odd sizes, a bfloat16 and an empty leaf."""
+    keys = jax.random.split(jax.random.key(3), 3)
+    x = {"w": jax.random.normal(keys[0], (n, 301, 7)),
+         "b": 10.0 * jax.random.normal(keys[1], (n, 5)),
+         "h": jax.random.normal(keys[2], (n, 1000)).astype(jnp.bfloat16),
+         "e": jnp.zeros((n, 0))}
+
+    def reductions(x, key):  # one program, both exchanges
+        return [qc.compressed_all_reduce(x, "d", compressor, key, algorithm=algorithm,
+                                         exchange=exchange)
+                for exchange in ("permute", "all_to_all")]
+    shifted, exchanged = per_device(reductions, n)(x, _keys(n))
+    if algorithm == "pairwise":
+        equal = lambda a, b: np.testing.assert_array_equal(  # noqa: E731
+            np.asarray(a, np.float32), np.asarray(b, np.float32))
+        jax.tree.map(equal, shifted, exchanged)
+        return
+    for name in x:  # each sum rounds n times in the payload's dtype (bfloat16: 2^-8)
+        narrow = compressor.name.startswith("cast") or x[name].dtype == jnp.bfloat16
+        scale = np.abs(np.asarray(x[name], np.float32)).sum(0).max(initial=0.0)
+        np.testing.assert_allclose(
+            np.asarray(exchanged.value[name], np.float32),
+            np.asarray(shifted.value[name], np.float32),
+            rtol=0, atol=n * (2.0 ** -8 if narrow else 1e-6) * scale + 1e-6, err_msg=name)
+
+
+def _program(compressor, algorithm, exchange, n=4):
+    mesh = mesh_of(n)
+    fn = jax.jit(jax.shard_map(lambda v: qc.compressed_all_reduce(
+        jax.tree.map(lambda a: a[0], v), "d", compressor, jax.random.key(0), algorithm=algorithm,
+        exchange=exchange).value, mesh=mesh, in_specs=P("d"), out_specs=P()))
+    x = jax.device_put({"w": jnp.ones((n, 4, 1000)), "h": jnp.ones((n, 300), jnp.bfloat16)},
+                       NamedSharding(mesh, P("d")))
+    return fn, x
+
+
+@pytest.mark.parametrize("compressor, algorithm", [
+    (qc.onebit(), "pairwise"), (qc.cast("bfloat16"), "pairwise"), (qc.identity(), "ring")],
+    ids=["onebit", "bf16-pairwise", "identity-ring"])
+def test_all_to_all_exchange_moves_the_same_bytes_in_one_collective(compressor, algorithm):
+    """The same wire bytes (16-bit floats as 16-bit words); the N - 1 shifts (pairwise)
+    or ring hops of a segment become one all-to-all of all its payloads' arrays,
+    and "auto" in one process is the shifts."""
+    fn, x = _program(compressor, algorithm, "all_to_all")
+    shifts, _ = _program(compressor, algorithm, "permute")
+    auto, _ = _program(compressor, algorithm, "auto")
+    assert qc.wire_bytes(fn, x) == qc.wire_bytes(shifts, x) == qc.wire_bytes(auto, x)
+    ops = qc.wire_report(fn, x)
+    count = lambda ops, op: sum(o.multiplicity for o in ops if o.op == op)  # noqa: E731
+    assert count(ops, "all-to-all") == 2  # one per segment: float32, bfloat16
+    assert count(ops, "collective-permute") == 0
+    assert count(qc.wire_report(shifts, x), "all-to-all") == 0
+    assert count(qc.wire_report(auto, x), "collective-permute") > 0
+    # The payload's arrays packed: one piece per device (XLA's tuple all-to-all).
+    assert [o.arrays for o in ops if o.op == "all-to-all"] == [4, 4]
 
 
 def test_pipeline_cuts_the_collectives_not_the_bytes():

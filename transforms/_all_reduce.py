@@ -92,6 +92,7 @@ class _Settings:
     bucket_bytes: int | None
     pipeline: int
     batch_buckets: Any
+    exchange: qc.Exchange
 
     @property
     def keeps_owner_residual(self) -> bool:
@@ -109,8 +110,8 @@ def compressed_all_reduce(axis_name, *, compressor: CompressorSpec, key: jax.Arr
                           compress_if: Callable | None = None,
                           fuse: bool = True, bucket_bytes: int | None = qc.BUCKET_BYTES,
                           pipeline: int = 1,
-                          batch_buckets: qc.BatchBuckets = qc.BATCH_BUCKETS
-                          ) -> optax.GradientTransformation:
+                          batch_buckets: qc.BatchBuckets = qc.BATCH_BUCKETS,
+                          exchange: qc.Exchange = "auto") -> optax.GradientTransformation:
     """All-reduce the gradients through ``compressor``, with error feedback.
 
     Each device adds its residual to its gradient; the compressed leaves are
@@ -143,6 +144,9 @@ def compressed_all_reduce(axis_name, *, compressor: CompressorSpec, key: jax.Arr
       batch_buckets: which classes of equal buckets run as one batch
         (`qcollect.runs_batched`): ``"auto"`` (default), ``"always"``,
         ``"never"`` or an int ``K`` (batch classes of more than ``K``).
+      exchange: ``"auto"`` (default), ``"all_to_all"`` or ``"permute"``: how
+        the pairwise and ring algorithms move payloads to their owners
+        (`qcollect.compressed_all_reduce`).
 
     Returns:
       An ``optax.GradientTransformation``; ``update(grads, state, params=None)``.
@@ -171,12 +175,13 @@ def compressed_all_reduce(axis_name, *, compressor: CompressorSpec, key: jax.Arr
     algorithm = check_choice("algorithm", algorithm, ("auto",) + qc.ALGORITHMS)
     bucket_bytes = check_int("bucket_bytes", bucket_bytes, low=0, allow_none=True)
     qc.runs_batched(1, 0, batch_buckets)  # ValueError naming batch_buckets
+    exchange = check_choice("exchange", exchange, ("auto",) + qc.EXCHANGES)
     settings = _Settings(
         axis_name=axis_name, compressor=check_compressor("compressor", compressor),
         mean=mean, error_feedback=error_feedback, algorithm=algorithm,
         min_size=check_int("min_size", min_size, low=0), compress_if=compress_if, fuse=fuse,
         bucket_bytes=bucket_bytes, pipeline=check_int("pipeline", pipeline),
-        batch_buckets=batch_buckets)
+        batch_buckets=batch_buckets, exchange=exchange)
     return optax.GradientTransformation(functools.partial(_init, key=key, settings=settings),
                                         functools.partial(_update, settings=settings))
 
@@ -250,7 +255,8 @@ def _reduce_compressed(inputs, comps, owners, step_key, settings: _Settings) -> 
         result = qc.compressed_all_reduce(
             xs, s.axis_name, compressor, jax.random.fold_in(step_key, g),
             algorithm=s.algorithm, mean=s.mean, fuse=s.fuse, bucket_bytes=s.bucket_bytes,
-            pipeline=s.pipeline, owner_residual=owner_in, batch_buckets=s.batch_buckets)
+            pipeline=s.pipeline, owner_residual=owner_in, batch_buckets=s.batch_buckets,
+            exchange=s.exchange)
         for j, i in enumerate(members):
             residual = (xs[j] - result.contributed[j].astype(jnp.float32)
                         if s.error_feedback else None)

@@ -17,7 +17,7 @@ from qcollect.bench.compile import parse_batch_buckets
 
 MIB = 1 << 20
 #: Methods without a codec: their transport is themselves.
-UNCOMPRESSED = ("psum", "ring")
+UNCOMPRESSED = ("psum", "psum-bf16", "ring")
 #: The mesh axes of a run with several devices per process: one node per process.
 NODE_AXES = ("node", "local")
 #: Suffix of a method run hierarchically over `NODE_AXES`.
@@ -93,11 +93,16 @@ def _reducer(method: str, size: int, n: int, transport: bool = False, leaves: in
     ``"d"``, or hierarchically over `NODE_AXES` for ``METHOD/h`` (``transport``:
     the same collectives without the codec, `transport_only`), with ``v`` cut
     into ``leaves`` equal leaves and reduced in buckets of ``bucket_bytes``. A
-    suffix ``@B`` sets ``batch_buckets``."""
+    suffix ``@B`` sets ``batch_buckets``, then ``:X`` the ``exchange``."""
+    method, colon, exchange = method.partition(":")
+    exchange = exchange if colon else "auto"
     method, at, batch_text = method.partition("@")
     batch = parse_batch_buckets(batch_text) if at else qc.BATCH_BUCKETS
     if method == "psum":
         return _in_leaves(lambda v: lax.psum(v, "d"), leaves)
+    if method == "psum-bf16":  # what a user writes: XLA:CPU sums it as float32
+        return _in_leaves(lambda v: lax.psum(v.astype(jnp.bfloat16), "d").astype(v.dtype),
+                          leaves)
     if method == "ring":
         return _in_leaves(lambda v: qc.ring_all_reduce(
             v, "d", bucket_bytes=bucket_bytes, batch_buckets=batch), leaves)
@@ -120,16 +125,17 @@ def _reducer(method: str, size: int, n: int, transport: bool = False, leaves: in
     pipeline = int(pieces or 1)
     return _in_leaves(lambda v: qc.compressed_all_reduce(
         v, axes, c, key, algorithm=algorithm, pipeline=pipeline, bucket_bytes=bucket_bytes,
-        batch_buckets=batch).value, leaves)
+        batch_buckets=batch, exchange=exchange).value, leaves)
 
 
 def variants(methods: list[str], pipelines: list[int], hierarchical: bool = False,
-             batches: tuple[str, ...] = ()) -> list[str]:
+             batches: tuple[str, ...] = (), exchanges: tuple[str, ...] = ()) -> list[str]:
     """Every compressed method once per pipeline count: ``onebit`` for 1,
     ``onebit/p4`` for 4 (uncompressed methods once); with ``hierarchical``
     also ``onebit/h`` over `NODE_AXES`; with ``batches`` (``"always"``,
     ``"never"``) each of those once per ``batch_buckets``, as
-    ``onebit@always``, ``onebit@never``."""
+    ``onebit@always``, ``onebit@never``; with ``exchanges`` each once per
+    ``exchange``, as ``onebit:all_to_all``, ``onebit:permute``."""
     out = []
     for m in methods:
         if m in UNCOMPRESSED:
@@ -137,7 +143,8 @@ def variants(methods: list[str], pipelines: list[int], hierarchical: bool = Fals
             continue
         named = [m if p == 1 else f"{m}/p{p}" for p in pipelines]
         named += [m + HIERARCHICAL] if hierarchical else []
-        out += [f"{v}@{b}" for v in named for b in batches] if batches else named
+        named = [f"{v}@{b}" for v in named for b in batches] if batches else named
+        out += [f"{v}:{e}" for v in named for e in exchanges] if exchanges else named
     return out
 
 
@@ -234,7 +241,7 @@ def measure(sizes_mib: list[float], methods: list[str], repeats: int,
         xg = None if grid is None else _buffers(size, grid)
 
         def call(m, transport=False, size=size, x=x, xg=xg):
-            on_grid = m.partition("@")[0].endswith(HIERARCHICAL)
+            on_grid = m.partition(":")[0].partition("@")[0].endswith(HIERARCHICAL)
             return (_mapped(_reducer(m, size, n, transport, leaves, bucket_bytes),
                             grid if on_grid else mesh),
                     (xg if on_grid else x,))

@@ -6,6 +6,9 @@ each in its own network namespace whose link is shaped to 1 Gbit/s each way)
 and times, for float32 buffers of 1 to 64 MiB per process:
 
 * ``psum``: ``lax.psum`` (XLA's all-reduce, Gloo's algorithm on CPU);
+* ``psum-bf16``: the buffer cast to bfloat16 and summed by ``lax.psum``, what
+  a user writes for a 16-bit all-reduce (XLA:CPU sums it as float32: the
+  bytes of ``psum``);
 * ``ring``: qcollect's uncompressed `ring_all_reduce` (``ppermute`` steps);
 * `compressed_all_reduce` with ``cast-bf16`` and ``pca`` (compressed-domain
   ring; PCA of 64-value slices at rank 8, fitted on other draws of the same
@@ -81,11 +84,13 @@ import pathlib
 import subprocess
 import sys
 
+import qcollect as qc
 import qcollect.launch
 from qcollect.bench.compile import parse_batch_buckets
 from qcollect.launch import parse_rate
 
-METHODS = ("psum", "ring", "cast-bf16", "qsgd-8", "qsgd-4", "onebit", "adaptive", "pca")
+METHODS = ("psum", "psum-bf16", "ring", "cast-bf16", "qsgd-8", "qsgd-4", "onebit", "adaptive",
+           "pca")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -121,6 +126,10 @@ def _parser() -> argparse.ArgumentParser:
                         "METHOD@B, so a batch of equal buckets (@always) and the program "
                         "traced bucket by bucket (@never) run side by side (default: the "
                         "library's default only)")
+    p.add_argument("--exchange", default="",
+                   help="comma-separated exchange values ('auto', 'all_to_all', 'permute'): "
+                        "each compressed method is measured once per value, as METHOD:X "
+                        "(default: the library's default only)")
     p.add_argument("--repeats", type=int, default=7,
                    help="timed repetitions per size, medians reported (default 7)")
     p.add_argument("--swap-probe", action="store_true",
@@ -168,6 +177,11 @@ def _parse(argv) -> argparse.Namespace:
             parse_batch_buckets(b)
     except ValueError as e:
         parser.error(f"--batch-buckets: {e}")
+    args.exchange = tuple(dict.fromkeys(e.strip() for e in args.exchange.split(",") if e.strip()))
+    bad = sorted(set(args.exchange) - {"auto", *qc.EXCHANGES})
+    if bad:
+        parser.error(f"--exchange must name some of auto, {', '.join(qc.EXCHANGES)}; "
+                     f"unknown: {bad}")
     if not (math.isfinite(args.bucket_mib) and args.bucket_mib > 0):
         parser.error(f"--bucket-mib must be a positive number, got {args.bucket_mib}")
     args.bucket_bytes = max(1, int(args.bucket_mib * 2**20))
@@ -233,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     methods = _network.variants(args.methods, args.pipeline,
                                 hierarchical=jax.local_device_count() > 1,
-                                batches=args.batch_buckets)
+                                batches=args.batch_buckets, exchanges=args.exchange)
     rows = _network.measure(args.sizes, methods, args.repeats, leaves=args.leaves,
                             bucket_bytes=args.bucket_bytes)
     if rows is not None:  # rank 0
