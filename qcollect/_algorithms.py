@@ -32,27 +32,13 @@ from qcollect._segments import RowSegment, Segment
 from qcollect.checks import check_int
 
 __all__ = ["EXCHANGES", "ChunkSource", "Chunks", "Codec", "Exchange", "Stacked",
-           "collective_codec", "reduce_pieces", "reduce_segment", "resolve_exchange"]
+           "collective_codec", "reduce_pieces", "reduce_segment"]
 
-EXCHANGES = ("all_to_all", "permute")
+EXCHANGES = ("permute", "all_to_all")
 #: How the pairwise and compressed-ring algorithms move each chunk's payloads
-#: to its owner: one of `EXCHANGES` or ``"auto"`` (`resolve_exchange`).
-Exchange = Literal["auto", "all_to_all", "permute"]
-
-
-def resolve_exchange(exchange: str) -> str:
-    """``"auto"`` made concrete: ``"all_to_all"`` when the job spans several
-    processes, ``"permute"`` in one process.
-
-    Measured on the CPU backend (jaxlib 0.10, 2 cores, `docs/collectives.md`,
-    "One all-to-all or N - 1 shifts"): across 4 processes Gloo runs the
-    all-to-all's transfers at once, and on a 100 Mbit/s link it moved 4 MiB
-    per process in two thirds of the shifts' time; between devices of one
-    process the shifts are memory copies and the all-to-all was slower.
-    """
-    if exchange != "auto":
-        return exchange
-    return "all_to_all" if jax.process_count() > 1 else "permute"
+#: to its owner: N - 1 ``ppermute`` shifts (the default) or one
+#: `lax.all_to_all` (`qcollect.compressed_all_reduce`, ``exchange``).
+Exchange = Literal["permute", "all_to_all"]
 
 
 class ChunkSource(Protocol):

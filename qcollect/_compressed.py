@@ -38,16 +38,17 @@ Randomness: every device uses ``fold_in(key, axis_index)``, then one more
 ``fold_in`` per chunk, hop or buffer, so no two encodings share a stream.
 
 Exchange (the ``exchange`` argument): the pairwise exchange's N - 1 transfers
-of every chunk to its owner can run as one `lax.all_to_all`, every device
-sending to every other at once (as ZeRO++'s qgZ moves its quantized
-reduce-scatter), or as N - 1 ``ppermute`` shifts one after the other, each
-its own exchange; the compressed-domain ring can likewise send every
-payload straight to its owner in one all_to_all and let the owner add the N
-payloads, in place of N - 1 hops. The bytes are the same. On the CPU
-backend the all-to-all kept a shaped link busier across processes, and the
-shifts (memory copies) were faster inside one process; ``"auto"`` picks by
-``jax.process_count()`` (`docs/collectives.md`, "One all-to-all or N - 1
-shifts").
+of every chunk to its owner run as N - 1 ``ppermute`` shifts one after the
+other (``"permute"``, the default) or as one `lax.all_to_all`, every device
+sending to every other at once (``"all_to_all"``, as ZeRO++'s qgZ moves its
+quantized reduce-scatter); with ``"all_to_all"`` the compressed-domain ring
+likewise sends every payload straight to its owner, which adds the N
+payloads, in place of N - 1 hops. The bytes are the same, and pairwise
+gives the same values bit for bit. On the CPU backend the shifts were as
+fast or faster in every measured setting but small messages over a slow
+link: one process, and the MLP across 4 processes at 100 Mbit/s and
+1 Gbit/s (`docs/collectives.md`, "One all-to-all or N - 1 shifts"); other
+backends were not measured.
 
 Segments, buckets and batches (the ``fuse``, ``bucket_bytes``, ``pipeline``
 and ``batch_buckets`` arguments):
@@ -92,7 +93,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from qcollect._algorithms import EXCHANGES, Chunks, Exchange, reduce_pieces, resolve_exchange
+from qcollect._algorithms import EXCHANGES, Chunks, Exchange, reduce_pieces
 from qcollect._buckets import BATCH_BUCKETS, BatchBuckets, check_batch_buckets, reduce_buckets
 from qcollect._config import check_choice, check_int
 from qcollect._hierarchical import reduce_hierarchical
@@ -125,7 +126,7 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
                           bucket_bytes: int | None = BUCKET_BYTES, pipeline: int = 1,
                           owner_residual=None,
                           batch_buckets: BatchBuckets = BATCH_BUCKETS,
-                          exchange: Exchange = "auto") -> AllReduceResult:
+                          exchange: Exchange = "permute") -> AllReduceResult:
     """All-reduce of an array or pytree with every hop compressed.
 
     Args:
@@ -158,12 +159,12 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
         (`qc.runs_batched`): ``"auto"`` (default: by bucket size),
         ``"always"``, ``"never"`` or an int ``K`` (more than ``K`` buckets).
       exchange: how ``"pairwise"`` sends each chunk's payloads to its owner
-        and how ``"ring"`` sums them: ``"all_to_all"`` (one `lax.all_to_all`,
-        every transfer at once; the ring's sums then happen at the owner),
-        ``"permute"`` (N - 1 ``ppermute`` shifts, or the ring's N - 1 hops)
-        or ``"auto"`` (default): all_to_all when the job spans several
-        processes, else permute (module docstring). Same values and wire
-        bytes either way, up to the order of the sums.
+        and how ``"ring"`` sums them: ``"permute"`` (default: N - 1
+        ``ppermute`` shifts, or the ring's N - 1 hops) or ``"all_to_all"``
+        (one `lax.all_to_all`, every transfer at once; the ring's sums then
+        happen at the owner). The same wire bytes and, for pairwise, the
+        same values; the ring's sums round in another order (module
+        docstring).
 
     Returns:
       `AllReduceResult` ``(value, contributed, owner_error)``, each like ``x``
@@ -188,7 +189,7 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
     algorithm, pipeline, batch_buckets, axes = _checked_settings(
         compressor, key, axis_name, algorithm=algorithm, pipeline=pipeline,
         owner_residual=owner_residual, batch_buckets=batch_buckets)
-    check_choice("exchange", exchange, ("auto",) + EXCHANGES)
+    check_choice("exchange", exchange, EXCHANGES)
     key = jax.random.fold_in(jax.random.key(0) if key is None else key,
                              lax.axis_index(axis_name))
     n = int(lax.axis_size(axis_name))
@@ -200,7 +201,7 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
                              fuse=fuse, bucket_bytes=bucket_bytes)
     reduce_bucket = functools.partial(_reduce_bucket, axis_name=axis_name, axes=axes,
                                       compressor=compressor, algorithm=algorithm,
-                                      pipeline=pipeline, exchange=resolve_exchange(exchange))
+                                      pipeline=pipeline, exchange=exchange)
     reduced = reduce_buckets(segments, leaves, owners, key=key,
                              masks_padding=compressor.masks_padding,
                              reduce_bucket=reduce_bucket, batch_buckets=batch_buckets)

@@ -87,21 +87,21 @@ def compute(mesh) -> dict:
     def mapped(fn):
         return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
 
-    def reduce_with(compressor, algorithm, exchange="auto"):
+    def reduce_with(compressor, algorithm, exchange="permute"):
         def body(block):
             out = qc.compressed_all_reduce(block[0], "d", compressor, key, algorithm=algorithm,
                                            exchange=exchange)
             return out.value[None]
         return mapped(body)
 
-    # "auto" across processes is one all-to-all; "permute" the N - 1 shifts.
+    # Each algorithm by the N - 1 shifts (the default) and by one all-to-all.
     results = {
         "ring": mapped(lambda b: qc.ring_all_reduce(b[0], "d")[None]),
         "identity_ring": reduce_with(qc.identity(), "ring"),
-        "identity_ring_permute": reduce_with(qc.identity(), "ring", "permute"),
+        "identity_ring_all_to_all": reduce_with(qc.identity(), "ring", "all_to_all"),
         "qsgd4_pairwise": reduce_with(qc.qsgd(bits=4, stochastic=False), "pairwise"),
-        "qsgd4_pairwise_permute": reduce_with(qc.qsgd(bits=4, stochastic=False), "pairwise",
-                                              "permute"),
+        "qsgd4_pairwise_all_to_all": reduce_with(qc.qsgd(bits=4, stochastic=False),
+                                                 "pairwise", "all_to_all"),
     }
     out = {name: jax.block_until_ready(fn(x)) for name, fn in results.items()}
     out.update(compute_hierarchical(mesh, key))
@@ -192,8 +192,8 @@ def check(results: dict, n: int) -> list[str]:
     errors = []
     total = inputs(n).sum(0)
     expected = {"ring": (total, 0.0), "identity_ring": (total, 0.0),
-                "identity_ring_permute": (total, 0.0),
-                "qsgd4_pairwise_permute": (total, qsgd_bound(inputs(n))),
+                "identity_ring_all_to_all": (total, 0.0),
+                "qsgd4_pairwise_all_to_all": (total, qsgd_bound(inputs(n))),
                 "ring_pieces": (total, 0.0), "identity_pairwise_pieces": (total, 0.0),
                 "qsgd4_pairwise": (total, qsgd_bound(inputs(n))),
                 "hier_identity": (total, 0.0),

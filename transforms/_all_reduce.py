@@ -111,7 +111,7 @@ def compressed_all_reduce(axis_name, *, compressor: CompressorSpec, key: jax.Arr
                           fuse: bool = True, bucket_bytes: int | None = qc.BUCKET_BYTES,
                           pipeline: int = 1,
                           batch_buckets: qc.BatchBuckets = qc.BATCH_BUCKETS,
-                          exchange: qc.Exchange = "auto") -> optax.GradientTransformation:
+                          exchange: qc.Exchange = "permute") -> optax.GradientTransformation:
     """All-reduce the gradients through ``compressor``, with error feedback.
 
     Each device adds its residual to its gradient; the compressed leaves are
@@ -144,8 +144,8 @@ def compressed_all_reduce(axis_name, *, compressor: CompressorSpec, key: jax.Arr
       batch_buckets: which classes of equal buckets run as one batch
         (`qcollect.runs_batched`): ``"auto"`` (default), ``"always"``,
         ``"never"`` or an int ``K`` (batch classes of more than ``K``).
-      exchange: ``"auto"`` (default), ``"all_to_all"`` or ``"permute"``: how
-        the pairwise and ring algorithms move payloads to their owners
+      exchange: ``"permute"`` (default) or ``"all_to_all"``: how the
+        pairwise and ring algorithms move payloads to their owners
         (`qcollect.compressed_all_reduce`).
 
     Returns:
@@ -175,7 +175,7 @@ def compressed_all_reduce(axis_name, *, compressor: CompressorSpec, key: jax.Arr
     algorithm = check_choice("algorithm", algorithm, ("auto",) + qc.ALGORITHMS)
     bucket_bytes = check_int("bucket_bytes", bucket_bytes, low=0, allow_none=True)
     qc.runs_batched(1, 0, batch_buckets)  # ValueError naming batch_buckets
-    exchange = check_choice("exchange", exchange, ("auto",) + qc.EXCHANGES)
+    exchange = check_choice("exchange", exchange, qc.EXCHANGES)
     settings = _Settings(
         axis_name=axis_name, compressor=check_compressor("compressor", compressor),
         mean=mean, error_feedback=error_feedback, algorithm=algorithm,

@@ -9,6 +9,9 @@ about it (whether it switches phases, whether it needs entropy plans).
 name           all-reduce
 =============  ==============================================================
 none           ``qc.fused_psum(mean=True)``: ``lax.pmean`` in 4 MiB buckets
+bf16-psum      the same of the gradients cast to bfloat16 (no error
+               feedback): a 16-bit all-reduce as a user writes it, the
+               uncompressed-transport reference (XLA:CPU sums it as float32)
 bf16           `transforms.compressed_all_reduce` with ``qc.cast("bfloat16")``
 onebit         ... ``qc.onebit()`` (Seide, 64-value buckets, Grubic's 1bitSGD*)
 onebit-column  ... ``qc.onebit(grouping="column")`` (Seide/CNTK, means per column)
@@ -23,7 +26,7 @@ local          no all-reduce: each device steps on its own gradient (the
                replicas drift apart, so its loss means nothing)
 =============  ==============================================================
 
-All but ``none`` keep error feedback; compressed_all_reduce leaves with fewer
+All but ``none`` and ``bf16-psum`` keep error feedback; compressed_all_reduce leaves with fewer
 than ``cfg.min_size`` values (biases) are averaged uncompressed.
 `compressed_leaves` says which leaves each name compresses.
 """
@@ -41,7 +44,7 @@ from jax import lax
 
 import qcollect as qc
 import transforms
-from common.config import COMPUTE_ONLY
+from common.config import COMPUTE_ONLY, PSUM_BF16
 
 
 class Communication(NamedTuple):
@@ -100,7 +103,20 @@ def gradiveq_slice_size(leaf_shape, *, min_slice: int) -> int | None:
 
 def _compressed(compressor, cfg, axis_name, key, **kwargs) -> optax.GradientTransformation:
     return transforms.compressed_all_reduce(axis_name, compressor=compressor, key=key,
-                                            min_size=cfg.min_size, **kwargs)
+                                            min_size=cfg.min_size, exchange=cfg.exchange,
+                                            **kwargs)
+
+
+def pmean_bf16(axis_name) -> optax.GradientTransformation:
+    """`pmean` of the gradients cast to bfloat16, cast back to their dtypes."""
+
+    def update(grads, state, params=None):
+        del params
+        half = jax.tree.map(lambda g: g.astype(jnp.bfloat16), grads)
+        mean = qc.fused_psum(half, axis_name, mean=True)
+        return jax.tree.map(lambda m, g: m.astype(g.dtype), mean, grads), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 def uncompressed_first(steps: int, tx: optax.GradientTransformation,
@@ -134,7 +150,7 @@ def communication(name: str, cfg, axis_name, key) -> Communication:
     training loop replaces it with planned ones (`entropy_transform`).
     """
     comm = _communication(name, cfg, axis_name, key)
-    if cfg.compress_after == 0 or name in ("none", COMPUTE_ONLY):
+    if cfg.compress_after == 0 or name in ("none", COMPUTE_ONLY, PSUM_BF16):
         return comm
     if comm.entropy is not None or name == "gradiveq":
         raise ValueError(f"compress_after does not apply to {name}: the entropy compressor's "
@@ -149,6 +165,8 @@ def _communication(name: str, cfg, axis_name, key) -> Communication:
         return Communication(pmean(axis_name))
     if name == COMPUTE_ONLY:
         return Communication(optax.identity(), replicated=False)
+    if name == PSUM_BF16:
+        return Communication(pmean_bf16(axis_name))
     if name == "bf16":
         return Communication(_compressed(qc.cast("bfloat16"), cfg, axis_name, key))
     if name == "onebit":
@@ -197,7 +215,8 @@ def compressed_leaves(name: str, cfg, tree) -> list[bool]:
     The transforms' own leaf rules, with the settings `communication` gives
     them: ``none`` compresses nothing; `transforms.powersgd` the matrices
     whose rank-``r`` factors are at least twice smaller
-    (`qcollect.powersgd_should_compress`); `transforms.gradiveq` the leaves of
+    (`qcollect.powersgd_should_compress`); ``bf16-psum`` nothing (its cast leaves
+    travel through ``lax.psum``); `transforms.gradiveq` the leaves of
     two or more dimensions with a slice size K (`gradiveq_slice_size`) and at
     least ``max(cfg.min_size, K)`` values; the others
     (`transforms.compressed_all_reduce`) the leaves with at least
@@ -213,7 +232,7 @@ def compressed_leaves(name: str, cfg, tree) -> list[bool]:
       [False, False]
     """
     shapes = [np.shape(leaf) for leaf in jax.tree.leaves(tree)]
-    if name in ("none", COMPUTE_ONLY):
+    if name in ("none", COMPUTE_ONLY, PSUM_BF16):  # bf16-psum: a cast, sent uncompressed
         return [False] * len(shapes)
     if name == "powersgd":
         return [qc.powersgd_should_compress(s, cfg.powersgd_rank) for s in shapes]

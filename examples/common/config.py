@@ -18,6 +18,11 @@ COMPRESSOR_NAMES = ("none", "bf16", "onebit", "onebit-column", "threshold", "ada
 # compressor and not in ``all``: it times the step's compute alone, so that
 # what the all-reduce adds to a step can be measured in the same run.
 COMPUTE_ONLY = "local"
+# The uncompressed-transport reference, not in ``all`` either: gradients cast
+# to bfloat16 and averaged by ``lax.pmean`` (what a user writes for a 16-bit
+# all-reduce; XLA:CPU sums and sends it as float32).
+PSUM_BF16 = "bf16-psum"
+REFERENCES = (COMPUTE_ONLY, PSUM_BF16)
 OPTIMIZERS = ("adagrad", "sgd", "momentum", "adam", "adamw")
 
 
@@ -62,6 +67,9 @@ class TrainConfig:
         warm-up steps, L_t and L_c, slices sampled per leaf and sampling step
         (pooled into one fit), and whether to keep error feedback.
       min_size: leaves with fewer values are averaged uncompressed.
+      exchange: how the compressed all-reduce moves payloads to their owners
+        (`qcollect.compressed_all_reduce`'s ``exchange``: ``permute`` or
+        ``all_to_all``).
       progress: show a progress bar per run.
       checkpoint_dir: save each run's state with orbax into
         ``{checkpoint_dir}/{compressor}/step_<n>`` (the entropy quantizer's
@@ -105,6 +113,7 @@ class TrainConfig:
     gradiveq_sample_slices: int = 32
     gradiveq_error_feedback: bool = True
     min_size: int = 1024
+    exchange: str = "permute"
     progress: bool = True
     checkpoint_dir: str = ""
     checkpoint_every: int = 0
@@ -112,12 +121,12 @@ class TrainConfig:
 
     def __post_init__(self):
         names = self.compressors
-        unknown = [n for n in names if n not in COMPRESSOR_NAMES + ("all", COMPUTE_ONLY)
+        unknown = [n for n in names if n not in COMPRESSOR_NAMES + ("all",) + REFERENCES
                    and not re.fullmatch(r"entropy-([1-9]|1[0-5])", n)]
         if not names or unknown:
             raise ValueError(f"compressors must be names from {COMPRESSOR_NAMES}, "
-                             f"'entropy-<floor c>', {COMPUTE_ONLY!r} or 'all', "
-                             f"got {unknown or names}")
+                             f"'entropy-<floor c>', {', '.join(map(repr, REFERENCES))} or "
+                             f"'all', got {unknown or names}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         for name in ("batch_size", "entropy_replan_every", "entropy_block", "powersgd_rank",
@@ -136,6 +145,9 @@ class TrainConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if tuple(self.mesh) not in (("data",), ("node", "local")):
             raise ValueError(f"mesh must be 'data' or 'node,local', got {','.join(self.mesh)!r}")
+        if self.exchange not in ("permute", "all_to_all"):
+            raise ValueError(f"exchange must be 'permute' or 'all_to_all', "
+                             f"got {self.exchange!r}")
         if self.freeze_variance and (self.compress_after < 1
                                      or self.optimizer not in ("adam", "adamw")):
             raise ValueError(f"freeze_variance freezes Adam's second moment at compress_after: "

@@ -1,6 +1,7 @@
 """Benchmarks: ``python -m qcollect.bench BENCHMARK``.
 
-``BENCHMARK`` is one of quantizers, collectives, network, structure, compile
+``BENCHMARK`` is one of quantizers, collectives, network, structure, compile,
+passes (memory traffic against the memory bandwidth, `qcollect.bench.passes`)
 and training (the training gate, `qcollect.bench.training`).
 
 Benchmarks are scripts, not tests: they print measured tables (medians of

@@ -9,6 +9,7 @@ BENCHMARKS = {
     "structure": "qcollect.bench.structure",
     "compile": "qcollect.bench.compile",
     "training": "qcollect.bench.training",
+    "passes": "qcollect.bench.passes",
 }
 
 

@@ -87,6 +87,23 @@ def _constant_outputs(closed) -> list[bool]:
     return [not (isinstance(v, Var) and id(v) in varying) for v in jaxpr.outvars]
 
 
+COMPRESSED = ("cast-bf16", "qsgd-8", "qsgd-4", "onebit", "adaptive", "pca")
+
+
+def method_compressor(method: str, size: int, n: int) -> tuple[qc.Compressor, str]:
+    """``(compressor, algorithm)`` of a compressed method of `COMPRESSED` for
+    buffers of ``size`` values on ``n`` devices."""
+    compressor, algorithm = {
+        "cast-bf16": (lambda: qc.cast("bfloat16"), "ring"),
+        "qsgd-8": (lambda: qc.qsgd(bits=8), "pairwise"),
+        "qsgd-4": (lambda: qc.qsgd(bits=4), "pairwise"),
+        "onebit": (lambda: qc.onebit(), "pairwise"),
+        "adaptive": (lambda: qc.adaptive(grouping="bucket"), "pairwise"),
+        "pca": (lambda: _pca_for(size, n), "ring"),
+    }[method]
+    return compressor(), algorithm
+
+
 def _reducer(method: str, size: int, n: int, transport: bool = False, leaves: int = 1,
              bucket_bytes: int = qc.BUCKET_BYTES):
     """``v -> estimate of the sum over every device`` for one method: over axis
@@ -95,7 +112,7 @@ def _reducer(method: str, size: int, n: int, transport: bool = False, leaves: in
     into ``leaves`` equal leaves and reduced in buckets of ``bucket_bytes``. A
     suffix ``@B`` sets ``batch_buckets``, then ``:X`` the ``exchange``."""
     method, colon, exchange = method.partition(":")
-    exchange = exchange if colon else "auto"
+    exchange = exchange if colon else "permute"
     method, at, batch_text = method.partition("@")
     batch = parse_batch_buckets(batch_text) if at else qc.BATCH_BUCKETS
     if method == "psum":
@@ -110,15 +127,7 @@ def _reducer(method: str, size: int, n: int, transport: bool = False, leaves: in
     if method.endswith(HIERARCHICAL):
         method, axes = method[:-len(HIERARCHICAL)], NODE_AXES
     method, _, pieces = method.partition("/p")
-    compressor, algorithm = {
-        "cast-bf16": (lambda: qc.cast("bfloat16"), "ring"),
-        "qsgd-8": (lambda: qc.qsgd(bits=8), "pairwise"),
-        "qsgd-4": (lambda: qc.qsgd(bits=4), "pairwise"),
-        "onebit": (lambda: qc.onebit(), "pairwise"),
-        "adaptive": (lambda: qc.adaptive(grouping="bucket"), "pairwise"),
-        "pca": (lambda: _pca_for(size, n), "ring"),
-    }[method]
-    c = compressor()
+    c, algorithm = method_compressor(method, size, n)
     if transport:
         c = transport_only(c)
     key = jax.random.key(0)

@@ -127,7 +127,7 @@ def _parser() -> argparse.ArgumentParser:
                         "traced bucket by bucket (@never) run side by side (default: the "
                         "library's default only)")
     p.add_argument("--exchange", default="",
-                   help="comma-separated exchange values ('auto', 'all_to_all', 'permute'): "
+                   help="comma-separated exchange values ('permute', 'all_to_all'): "
                         "each compressed method is measured once per value, as METHOD:X "
                         "(default: the library's default only)")
     p.add_argument("--repeats", type=int, default=7,
@@ -178,9 +178,9 @@ def _parse(argv) -> argparse.Namespace:
     except ValueError as e:
         parser.error(f"--batch-buckets: {e}")
     args.exchange = tuple(dict.fromkeys(e.strip() for e in args.exchange.split(",") if e.strip()))
-    bad = sorted(set(args.exchange) - {"auto", *qc.EXCHANGES})
+    bad = sorted(set(args.exchange) - set(qc.EXCHANGES))
     if bad:
-        parser.error(f"--exchange must name some of auto, {', '.join(qc.EXCHANGES)}; "
+        parser.error(f"--exchange must name some of {', '.join(qc.EXCHANGES)}; "
                      f"unknown: {bad}")
     if not (math.isfinite(args.bucket_mib) and args.bucket_mib > 0):
         parser.error(f"--bucket-mib must be a positive number, got {args.bucket_mib}")

@@ -13,7 +13,15 @@ each compressor reports:
   program, as every training step computes it, in elementwise passes
   ``t(round trip) / t(x * c)``: once decoding the payload (``decode(encode(x))``)
   and once with `Compressor.round_trip` (the same values; 1-bit and QSGD
-  take them from the encoding pass instead of unpacking the codes).
+  take them from the encoding pass instead of unpacking the codes);
+* the memory floor of encode + decode: the bytes their compiled kernels read
+  and write (`qcollect.memory_bytes`: the cheapest branch of a conditional)
+  over this machine's memory bandwidth, the fastest of a STREAM read, copy
+  and triad over arrays of the same size timed in the same loop
+  (`qcollect.bench.passes`), and the efficiency ``floor / (encode +
+  decode)``: 1.0 when the codec moves its bytes at that rate. Caches and
+  bounds of loops that XLA cannot know make it an estimate, not a bound,
+  for the compressors that loop (threshold, adaptive, entropy).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import jax.numpy as jnp
 
 import qcollect as qc
 from qcollect.bench._timing import interleaved_medians
+from qcollect.bench.passes import bandwidths, stream_calls
 
 
 def _tau_leaving(x, fraction: float) -> float:
@@ -121,6 +130,7 @@ def run(size: int, repeats: int, names: list[str]) -> list[dict]:
     key = jax.random.key(1)
     norm = float(jnp.linalg.norm(x))
     scale_pass = jax.jit(lambda x: x * 1.5)
+    stream = stream_calls(x, x * 2)
     rows = []
     for name in names:
         c = COMPRESSORS[name](x)
@@ -131,11 +141,15 @@ def run(size: int, repeats: int, names: list[str]) -> list[dict]:
         fused = jax.jit(lambda x, k, c=c: x - c.round_trip(x, k)[1])
         t = interleaved_medians({
             "pass": (scale_pass, (x,)),
+            **stream,
             "encode": (encode, (x, key)),
             "decode": (decode, (payload,)),
             "unfused": (unfused, (x, key)),
             "fused": (fused, (x, key)),
         }, repeats)
+        codec_bytes = qc.memory_bytes(encode, x, key) + qc.memory_bytes(decode, payload)
+        bandwidth = bandwidths(stream, t)["best"]
+        floor = codec_bytes / bandwidth
         row = {
             "compressor": name,
             "bits_per_element": 8 * qc.payload_bytes(payload) / size,
@@ -146,6 +160,10 @@ def run(size: int, repeats: int, names: list[str]) -> list[dict]:
             "passes_ratio": t["pass"] / (t["encode"] + t["decode"]),
             "round_trip_passes": t["unfused"] / t["pass"],
             "fused_round_trip_passes": t["fused"] / t["pass"],
+            "codec_traffic_gradients": codec_bytes / (4 * size),
+            "memory_bandwidth_gbs": bandwidth / 1e9,
+            "memory_floor_ms": 1e3 * floor,
+            "memory_efficiency": floor / (t["encode"] + t["decode"]),
         }
         rows.append(row)
         print(_format_row(row), flush=True)
@@ -153,15 +171,17 @@ def run(size: int, repeats: int, names: list[str]) -> list[dict]:
 
 
 HEADER = ("| compressor | wire bits/elem | rel. error | encode ms | decode ms "
-          "| x*c ms | t(x*c)/t(enc+dec) | EF round trip, passes | fused, passes |\n"
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| x*c ms | t(x*c)/t(enc+dec) | EF round trip, passes | fused, passes "
+          "| enc+dec traffic / gradient | memory floor ms | efficiency |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def _format_row(r: dict) -> str:
     return (f"| {r['compressor']} | {r['bits_per_element']:.3f} | {r['relative_error']:.4f} "
             f"| {r['encode_ms']:.1f} | {r['decode_ms']:.1f} | {r['pass_ms']:.1f} "
             f"| {r['passes_ratio']:.2f} | {r['round_trip_passes']:.2f} "
-            f"| {r['fused_round_trip_passes']:.2f} |")
+            f"| {r['fused_round_trip_passes']:.2f} | {r['codec_traffic_gradients']:.2f} "
+            f"| {r['memory_floor_ms']:.1f} | {r['memory_efficiency']:.2f} |")
 
 
 def main(argv: list[str] | None = None) -> int:
