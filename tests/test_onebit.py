@@ -27,7 +27,7 @@ def reference(x, grouping, bucket_size):
 @given(
     shape=st.sampled_from([(1,), (5,), (63,), (64,), (65,), (1000,), (7, 3), (16, 9, 2)]),
     grouping=st.sampled_from(["bucket", "column"]),
-    bucket_size=st.sampled_from([1, 7, 64, 100]),
+    bucket_size=st.sampled_from([1, 7, 32, 64, 100, 128]),
     seed=st.integers(0, 2**16),
     zeros=st.booleans(),
 )
@@ -49,6 +49,33 @@ def test_means_match_reference(shape, grouping, bucket_size, seed, zeros):
         idx = np.arange(flat_x.size) // bucket_size
     want = np.where(flat_x >= 0, pos[idx], neg[idx])
     np.testing.assert_allclose(x_hat.ravel(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("size", [0, 1, 31, 33, 64, 65, 1000, 65_536, 100_003])
+def test_buckets_of_whole_words_are_coded_in_one_read(size):
+    """Buckets of whole uint32 words take their sign words and both sums from one
+    reduction (`_bucket_statistics`): the words of packing the signs, sums equal to
+    separate reductions up to their order, and one kernel reading the input
+    where three did; padding after the last value packs as 0."""
+    from qcollect import _onebit
+    from qcollect._groups import bucket_groups, flat_codes, overflow_safe_scale, to_view
+
+    x = jax.random.normal(jax.random.key(size), (size,)) * jnp.exp(
+        jax.random.normal(jax.random.key(1), (size,)))
+    for bucket in (32, 64, 128):
+        groups = bucket_groups(x.shape, bucket)
+        view = to_view(x, groups)
+        bits, (pos, total) = _onebit._bucket_statistics(view, groups)
+        np.testing.assert_array_equal(bits, qc.pack_bits(flat_codes(view >= 0, groups), 1))
+        c = overflow_safe_scale(bucket)
+        scale = float(jnp.abs(view * c).sum(1).max(initial=0.0)) + 1e-30
+        np.testing.assert_allclose(pos, 0.5 * jnp.sum(view * c + jnp.abs(view * c), 1),
+                                   rtol=0, atol=1e-6 * scale)
+        np.testing.assert_allclose(total, jnp.sum(view * c, 1), rtol=0, atol=1e-6 * scale)
+    if size == 65_536:  # whole buckets: no padded copy either
+        whole = 4 * size
+        reads = [k for k in qc.memory_report(qc.onebit().encode, x) if k.read >= whole]
+        assert len(reads) == 1, reads
 
 
 def test_bits_are_signs_packed_32_per_word():
