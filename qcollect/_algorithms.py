@@ -184,6 +184,11 @@ def _gather(axis_name, payload):
     return jax.tree.unflatten(treedef, gathered)
 
 
+def _chunk_of(payloads, j):
+    """Chunk ``j`` (modulo n) of stacked payloads."""
+    return jax.tree.map(lambda leaf: take_chunk(leaf, j), payloads)
+
+
 def _received(payloads, axis_name, n, me, exchange: str) -> list:
     """The ``n`` payloads of chunk ``me``, ``received[t]`` from device
     ``me - t``, ``payloads`` holding this device's ``n`` stacked ones: one
@@ -193,13 +198,11 @@ def _received(payloads, axis_name, n, me, exchange: str) -> list:
     same both ways, so are the owner's sums."""
     if exchange == "all_to_all":
         every = exchange_chunks(as_varying(payloads, axis_name), axis_name)
-        return [jax.tree.map(lambda leaf, t=t: take_chunk(leaf, me - t), every)
-                for t in range(n)]
-    mine = lambda j: jax.tree.map(lambda leaf: take_chunk(leaf, j), payloads)  # noqa: E731
-    received = [mine(me)]
+        return [_chunk_of(every, me - t) for t in range(n)]
+    received = [_chunk_of(payloads, me)]
     for t in range(1, n):
         perm = [(i, (i + t) % n) for i in range(n)]
-        received.append(permute(mine(me + t), axis_name, perm))
+        received.append(permute(_chunk_of(payloads, me + t), axis_name, perm))
     return received
 
 
@@ -212,13 +215,12 @@ def _ring_compressed(chunks, axis_name, codec, key, n, me, exchange):
             lambda a, b: jax.tree.map(jnp.add, a, b),
             _received(payloads, axis_name, n, me, exchange))
     else:
-        own = lambda j: jax.tree.map(lambda leaf: take_chunk(leaf, j), payloads)  # noqa: E731
-
         def step(s, acc):
             received = shift_right(acc, axis_name, n)
-            return jax.tree.map(jnp.add, received, own(me - s - 2))
+            return jax.tree.map(jnp.add, received, _chunk_of(payloads, me - s - 2))
 
-        reduced = lax.fori_loop(0, n - 1, step, as_varying(own(me - 1), axis_name))
+        reduced = lax.fori_loop(0, n - 1, step,
+                                as_varying(_chunk_of(payloads, me - 1), axis_name))
     gathered = _gather(axis_name, reduced)
     return AllReduceResult(codec.decode_all(gathered), contributed, None)
 

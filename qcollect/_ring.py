@@ -81,17 +81,20 @@ def permute(x, axis_name, perm):
       ([2.0, 3.0, 0.0, 1.0], [2.0, 1.0])
     """
     pieces = _backend.split_swaps(perm)
-
-    def send(leaf):
-        word = _backend.narrow_word(leaf.dtype)
-        if word is None:
-            return _backend.ppermute_in_pieces(leaf, axis_name, perm, pieces)
-        moved = _backend.ppermute_in_pieces(lax.bitcast_convert_type(leaf, word), axis_name,
-                                            perm, pieces)
-        return lax.bitcast_convert_type(moved, leaf.dtype)
-
+    send = _in_words(lambda a: _backend.ppermute_in_pieces(a, axis_name, perm, pieces))
     leaves, treedef = jax.tree.flatten(x)
     return jax.tree.unflatten(treedef, send_packed(send, leaves))
+
+
+def _in_words(move):
+    """``move`` (a collective of one array) that sends 16-bit floats as their
+    bit-identical uint16 words (`qcollect._backend`, entry 1)."""
+    def moved(a):
+        word = _backend.narrow_word(a.dtype)
+        if word is None:
+            return move(a)
+        return lax.bitcast_convert_type(move(lax.bitcast_convert_type(a, word)), a.dtype)
+    return moved
 
 
 def exchange_chunks(x, axis_name):
@@ -106,6 +109,10 @@ def exchange_chunks(x, axis_name):
     send one after the other (the pairwise exchange's two ways,
     `qcollect._algorithms`). Each device sends ``(N - 1) / N`` of ``x``.
 
+    References:
+      Wang et al. (ZeRO++), 2023 <https://arxiv.org/abs/2306.10209>: qgZ,
+      the quantized gradients' reduce-scatter as one all-to-all.
+
     Example:
       >>> import jax, jax.numpy as jnp, qcollect as qc
       >>> from jax.sharding import NamedSharding, PartitionSpec as P
@@ -116,13 +123,7 @@ def exchange_chunks(x, axis_name):
       >>> swap(jax.device_put(x, NamedSharding(mesh, P("d")))).ravel().tolist()
       [0.0, 10.0, 1.0, 11.0]
     """
-    def send(leaf):
-        word = _backend.narrow_word(leaf.dtype)
-        if word is None:
-            return lax.all_to_all(leaf, axis_name, 0, 0)
-        moved = lax.all_to_all(lax.bitcast_convert_type(leaf, word), axis_name, 0, 0)
-        return lax.bitcast_convert_type(moved, leaf.dtype)
-
+    send = _in_words(lambda a: lax.all_to_all(a, axis_name, 0, 0))
     leaves, treedef = jax.tree.flatten(x)
     return jax.tree.unflatten(treedef, send_packed(send, leaves, lead=1))
 
@@ -164,11 +165,8 @@ def all_gather_invariant(x: jax.Array, axis_name) -> jax.Array:
     x = jnp.asarray(x)
     if x.ndim == 0:
         raise ValueError("all_gather_invariant needs x with a leading axis, got a scalar")
-    word = _backend.narrow_word(x.dtype)
-    if word is not None:
-        words = all_gather_invariant(lax.bitcast_convert_type(x, word), axis_name)
-        return lax.bitcast_convert_type(words, x.dtype)
-    return lax.all_gather(as_varying(x, axis_name), axis_name, tiled=True, to="invarying")
+    return _in_words(lambda a: lax.all_gather(as_varying(a, axis_name), axis_name, tiled=True,
+                                              to="invarying"))(x)
 
 
 def chunk_rows(rows: int, n: int) -> int:

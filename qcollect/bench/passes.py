@@ -101,20 +101,32 @@ def stream(values: int, n: int, repeats: int) -> dict:
     return bandwidths(calls, interleaved_medians(calls, repeats), n)
 
 
-def _reduce(method: str, path: str, values: int, n: int, exchange: str):
-    """``(fn(grads, state), state)``: the all-reduce of one device's gradient."""
+def _step(method: str, path: str, grads, mesh, exchange: str):
+    """``(jitted step, its arguments)``: one device's gradient all-reduced by
+    ``method``, as the bare collective or as the transform (whose new state
+    is an output, so that its residuals are computed)."""
+    n, values = grads.shape
     if method == "psum":
-        return (lambda g, s: (lax.psum(g, "d"), s)), None
+        return _per_device(lambda g: lax.psum(g, "d"), mesh), (grads,)
     compressor, algorithm = method_compressor(method, values, n)
     key = jax.random.key(0)
     if path == "collective":
-        return (lambda g, s: (qc.compressed_all_reduce(
-            g, "d", compressor, key, algorithm=algorithm, exchange=exchange).value, s)), None
-    import transforms
+        return _per_device(lambda g: qc.compressed_all_reduce(
+            g, "d", compressor, key, algorithm=algorithm, exchange=exchange).value,
+            mesh), (grads,)
+    import transforms  # the optax layer, only for this path
 
     tx = transforms.compressed_all_reduce("d", compressor=compressor, key=key,
                                           algorithm=algorithm, exchange=exchange)
-    return tx.update, tx
+    state = transforms.init_sharded(tx, jnp.zeros(values, jnp.float32), mesh, "d")
+    specs = transforms.state_specs(state, "d")
+
+    def update(g, s):
+        updates, s = tx.update(g[0], s)
+        return updates[None], s
+
+    return jax.jit(jax.shard_map(update, mesh=mesh, in_specs=(P("d"), specs),
+                                 out_specs=(P("d"), specs))), (grads, state)
 
 
 def measure(values: int, n: int, methods, paths, exchanges, repeats: int,
@@ -128,19 +140,7 @@ def measure(values: int, n: int, methods, paths, exchanges, repeats: int,
         for path in (("collective",) if method == "psum" else paths):
             for exchange in (("permute",) if method == "psum" else exchanges):
                 label = method if method == "psum" else f"{method} {path} {exchange}"
-                fn, tx = _reduce(method, path, values, n, exchange)
-                if tx is None:
-                    step = _per_device(lambda g, fn=fn: fn(g, None)[0], mesh)
-                    args = (grads,)
-                else:
-                    state = transforms_state(tx, values, mesh)
-                    specs = transforms_specs(state)
-                    # The new state is an output, so its residuals are computed.
-                    step = jax.jit(jax.shard_map(
-                        lambda g, s, fn=fn: (lambda u, s: (u[None], s))(*fn(g[0], s)),
-                        mesh=mesh, in_specs=(P("d"), specs), out_specs=(P("d"), specs)))
-                    args = (grads, state)
-                calls[label] = (step, args)
+                calls[label] = _step(method, path, grads, mesh, exchange)
                 meta[label] = (method, path, exchange)
     seconds = interleaved_medians(calls, repeats)
     rows = []
@@ -160,19 +160,6 @@ def measure(values: int, n: int, methods, paths, exchanges, repeats: int,
                          "written": k.written, "multiplicity": k.multiplicity} for k in big],
         })
     return rows
-
-
-def transforms_state(tx, values: int, mesh):
-    """``tx``'s state for a gradient of ``values``, residuals split over ``mesh``."""
-    import transforms
-
-    return transforms.init_sharded(tx, jnp.zeros(values, jnp.float32), mesh, "d")
-
-
-def transforms_specs(state):
-    import transforms
-
-    return transforms.state_specs(state, "d")
 
 
 HEADER = ("| method | path | exchange | gradient-sized passes | traffic / gradient "
