@@ -32,6 +32,7 @@ from qcollect._entropy import (
     PlannedEntropyCompressor,
     entropy,
 )
+from qcollect._fsdp import fsdp_gather, fsdp_residuals, shard_dimensions
 from qcollect._groups import matrix_view
 from qcollect._layout import BUCKET_BYTES, leaf_chunks
 from qcollect._messages import fused_psum
@@ -66,6 +67,7 @@ from qcollect._ring import (
     ring_bytes_per_device,
     ring_reduce_scatter,
 )
+from qcollect._sharded import compressed_all_gather, compressed_reduce_scatter
 from qcollect._threshold import ThresholdCompressor, threshold
 from qcollect._traffic import Kernel, memory_bytes, memory_report
 from qcollect._wire import WireOp, bytes_along, wire_bytes, wire_bytes_by_axis, wire_report
@@ -103,9 +105,13 @@ __all__ = [
     "bytes_along",
     "cast",
     "collective_codec",
+    "compressed_all_gather",
     "compressed_all_reduce",
+    "compressed_reduce_scatter",
     "entropy",
     "exchange_chunks",
+    "fsdp_gather",
+    "fsdp_residuals",
     "fused_psum",
     "identity",
     "leaf_chunks",
@@ -136,6 +142,7 @@ __all__ = [
     "ring_bytes_per_device",
     "ring_reduce_scatter",
     "runs_batched",
+    "shard_dimensions",
     "threshold",
     "unpack_bits",
     "wire_bytes",

@@ -29,6 +29,7 @@ import time
 import qcollect.launch
 
 LENGTH = 1001   # not a multiple of the device count
+SHARDED = 1000  # the reduce-scatter's length: a multiple of 1, 2, 4 and 8 devices
 NODE_AXES = ("node", "local")
 STEPS = 2
 QSGD_LEVELS = 7  # 4-bit QSGD: a sign bit and 3-bit levels 0..7
@@ -103,6 +104,16 @@ def compute(mesh) -> dict:
         "qsgd4_pairwise_all_to_all": reduce_with(qc.qsgd(bits=4, stochastic=False),
                                                  "pairwise", "all_to_all"),
     }
+    def scatter_then_gather(compressor):
+        """Sharded training's two collectives: the first SHARDED values
+        reduce-scattered through ``compressor``, the shards gathered exactly."""
+        def body(block):
+            shard = qc.compressed_reduce_scatter(block[0][:SHARDED], "d", compressor, key)
+            return qc.compressed_all_gather(shard.value, "d", qc.identity()).value[None]
+        return mapped(body)
+
+    results["scatter_gather_identity"] = scatter_then_gather(qc.identity())
+    results["scatter_gather_qsgd4"] = scatter_then_gather(qc.qsgd(bits=4, stochastic=False))
     out = {name: jax.block_until_ready(fn(x)) for name, fn in results.items()}
     out.update(compute_hierarchical(mesh, key))
     out.update(_in_small_pieces(lambda: {
@@ -197,6 +208,9 @@ def check(results: dict, n: int) -> list[str]:
                 "ring_pieces": (total, 0.0), "identity_pairwise_pieces": (total, 0.0),
                 "qsgd4_pairwise": (total, qsgd_bound(inputs(n))),
                 "hier_identity": (total, 0.0),
+                "scatter_gather_identity": (total[:SHARDED], 0.0),
+                # Every block is quantized once, by its origin: no owner term.
+                "scatter_gather_qsgd4": (total[:SHARDED], qsgd_bound(inputs(n)[:, :SHARDED])),
                 # Each node's sum is quantized once, by the device holding its share.
                 "hier_qsgd4": (total, qsgd_bound(inputs(n).reshape(2, -1, LENGTH).sum(1)))}
     for t in range(STEPS):

@@ -70,6 +70,14 @@ class TrainConfig:
       exchange: how the compressed all-reduce moves payloads to their owners
         (`qcollect.compressed_all_reduce`'s ``exchange``: ``permute`` or
         ``all_to_all``).
+      parallel: ``replicated`` (parameters on every device, gradients
+        all-reduced) or ``fsdp`` (parameters and optimizer state sharded
+        over the data axis, weights gathered and gradients reduce-scattered:
+        `common.fsdp`; ``compressors`` then name the gradients' compressor).
+      weight_compressor: ``fsdp`` only: the weights' all-gather compressor
+        (``none``, ``bf16``, ``int8``, ``int4``).
+      fsdp_min_size: ``fsdp`` only: leaves with fewer values are replicated.
+      fsdp_error_feedback: ``fsdp`` only: keep the gradients' residuals.
       progress: show a progress bar per run.
       checkpoint_dir: save each run's state with orbax into
         ``{checkpoint_dir}/{compressor}/step_<n>`` (the entropy quantizer's
@@ -114,6 +122,10 @@ class TrainConfig:
     gradiveq_error_feedback: bool = True
     min_size: int = 1024
     exchange: str = "permute"
+    parallel: str = "replicated"
+    weight_compressor: str = "none"
+    fsdp_min_size: int = 16384
+    fsdp_error_feedback: bool = True
     progress: bool = True
     checkpoint_dir: str = ""
     checkpoint_every: int = 0
@@ -153,10 +165,28 @@ class TrainConfig:
             raise ValueError(f"freeze_variance freezes Adam's second moment at compress_after: "
                              f"it needs optimizer adam or adamw and compress_after >= 1, got "
                              f"{self.optimizer!r} and {self.compress_after}")
+        self._check_parallel()
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume needs checkpoint_dir")
         if not 0 <= self.gradiveq_loss < 1:
             raise ValueError(f"gradiveq_loss must be in [0, 1), got {self.gradiveq_loss!r}")
+
+    def _check_parallel(self) -> None:
+        if self.parallel not in ("replicated", "fsdp"):
+            raise ValueError(f"parallel must be 'replicated' or 'fsdp', got {self.parallel!r}")
+        if self.parallel == "replicated":
+            if self.weight_compressor != "none":
+                raise ValueError("weight_compressor needs parallel 'fsdp' (replicated "
+                                 "parameters are never gathered)")
+            return
+        from common.fsdp import check_names
+
+        check_names(self.compressor_names, self.weight_compressor)
+        if self.fsdp_min_size < 1:
+            raise ValueError(f"fsdp_min_size must be >= 1, got {self.fsdp_min_size!r}")
+        if self.checkpoint_dir or self.compress_after or self.freeze_variance:
+            raise ValueError("parallel 'fsdp' does not take checkpoint_dir, compress_after "
+                             "or freeze_variance")
 
     @property
     def compressor_names(self) -> tuple[str, ...]:

@@ -10,7 +10,6 @@ import optax
 
 import qcollect as qc
 from common import report
-from common.compressors import pmean
 from common.devices import data_mesh
 from common.mnist import load_mnist
 from common.task import as_task
@@ -18,13 +17,17 @@ from common.train import DataParallel, make_optimizer, train, with_image_shape
 
 
 def baseline_wire_bytes(dp: DataParallel, cfg, data, optimizer=None) -> int:
-    """Wire bytes per step of the ``lax.pmean`` baseline (compiled, not run).
+    """Wire bytes per step of the uncompressed baseline (compiled, not run):
+    ``lax.pmean`` of the gradients, or under FSDP the exact gather and
+    reduce-scatter (`DataParallel.uncompressed`).
 
     ``data``: an `MNIST` or a `common.task.Task` (its first batch sets the
     shapes); ``optimizer``: as in `train`.
     """
-    tx = optax.chain(pmean(dp.axis), make_optimizer(cfg) if optimizer is None else optimizer)
-    params = dp.replicate(dp.params)
+    dp = dp.uncompressed()
+    comm = dp.communication(report.BASELINE, cfg, jax.random.key(cfg.seed))
+    tx = optax.chain(comm.tx, make_optimizer(cfg) if optimizer is None else optimizer)
+    params = dp.place(dp.params)
     state = dp.init(tx, params)
     x, y = next(as_task(data).batches(cfg.batch_size * dp.num_devices, 1, cfg.seed))
     return qc.wire_bytes(dp.step(tx, state), params, state, *dp.batch(x, y))
@@ -49,14 +52,26 @@ def prepare(cfg, build_model, image_shape, data=None, mesh=None):
       mesh: the data-parallel mesh (default: `data_mesh` of ``cfg``).
 
     Returns:
-      ``(dp, data)``: a `DataParallel` and the data the runs train on.
+      ``(dp, data)``: a `DataParallel` (`data_parallel`) and the data the runs train on.
     """
     if data is None:
         data = load_mnist(cfg.data_dir or None)
     data = data.take(cfg.train_examples or None, cfg.test_examples or None)
     data = with_image_shape(data, image_shape)
     mesh = data_mesh(cfg.mesh, cfg.nodes) if mesh is None else mesh
-    return DataParallel(build_model(cfg), mesh), data
+    return data_parallel(cfg, build_model(cfg), mesh), data
+
+
+def data_parallel(cfg, model, mesh) -> DataParallel:
+    """``model`` on ``mesh`` as ``cfg.parallel`` says: replicated parameters, or
+    sharded (`common.fsdp.ShardedDataParallel`)."""
+    if cfg.parallel == "fsdp":
+        from common.fsdp import ShardedDataParallel
+
+        return ShardedDataParallel(model, mesh, weight_compressor=cfg.weight_compressor,
+                                   min_size=cfg.fsdp_min_size,
+                                   error_feedback=cfg.fsdp_error_feedback)
+    return DataParallel(model, mesh)
 
 
 def describe(dp: DataParallel, data, cfg, title: str) -> str:
@@ -88,11 +103,19 @@ def run(cfg, build_model, image_shape, stem: str, title: str, data=None):
     if lead:
         print(describe(dp, data, cfg, title), flush=True)
     results = train_each(dp, cfg, data, lead)
-    base = next((r.wire_bytes for r in results if r.name == report.BASELINE), None)
-    if base is None:
-        base = baseline_wire_bytes(dp, cfg, data)
+    base = baseline_bytes(results, dp, cfg, data)
     if lead:
         files = report.save(results, base, cfg, cfg.output_dir, stem, title)
-        print(report.table(results, base))
+        print(files["table"].read_text(), end="")
         print(f"wrote {files['table']}, {files['json']} and {files['plot']}")
     return results
+
+
+def baseline_bytes(results, dp: DataParallel, cfg, data, optimizer=None) -> int:
+    """The baseline's wire bytes per step: the ``none`` run's when it ran
+    uncompressed (not with compressed weights under FSDP), else compiled
+    (`baseline_wire_bytes`)."""
+    uncompressed = cfg.parallel != "fsdp" or cfg.weight_compressor == "none"
+    base = next((r.wire_bytes for r in results if r.name == report.BASELINE and uncompressed),
+                None)
+    return baseline_wire_bytes(dp, cfg, data, optimizer) if base is None else base

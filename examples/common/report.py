@@ -35,7 +35,7 @@ def accuracy_column(result) -> str:
 
 
 def table(results, baseline_bytes: int | None, *, metric=("test accuracy", accuracy_column),
-          extra=()) -> str:
+          extra=(), baseline: str = "pmean") -> str:
     """A markdown table: the metric, wire bytes (and those across nodes on a
     ``node,local`` mesh), ratio to ``lax.pmean``, step time.
 
@@ -44,10 +44,11 @@ def table(results, baseline_bytes: int | None, *, metric=("test accuracy", accur
       baseline_bytes: ``lax.pmean``'s wire bytes per step (for the ratio).
       metric: ``(header, f(result) -> text)`` of the second column.
       extra: more ``(header, f(result) -> text)`` columns after the wire bytes.
+      baseline: the baseline's name in the ratio's header.
     """
     nodes = any(across_nodes(r) is not None for r in results)
     rows = [f"| compressor | {metric[0]} | wire bytes / step / device |"
-            + "".join(f" {head} |" for head, _ in extra) + " vs pmean "
+            + "".join(f" {head} |" for head, _ in extra) + f" vs {baseline} "
             "| bits / value |" + (" across nodes / step / device |" if nodes else "")
             + " median step (ms) | run (s) |",
             "|---|---|---|" + "---|" * len(extra) + "---|---|" + ("---|" if nodes else "")
@@ -86,7 +87,8 @@ def save(results, baseline_bytes, cfg, out_dir, stem: str, title: str) -> dict:
     """Writes ``stem.md`` (table), ``stem.json`` (everything) and ``stem.png``."""
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    text = table(results, baseline_bytes)
+    text = table(results, baseline_bytes,
+                 baseline="uncompressed FSDP" if cfg.parallel == "fsdp" else "pmean")
     (out / f"{stem}.md").write_text(text + "\n")
     record = {"config": dataclasses.asdict(cfg), "baseline_wire_bytes": baseline_bytes,
               "runs": [dataclasses.asdict(r) for r in results]}

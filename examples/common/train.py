@@ -17,6 +17,9 @@ step each device takes gradients on its share of the global batch at
 ``lax.pcast(params, "data", to="varying")`` (its own gradients, not an
 implicit psum), and the optax chain ``communication -> optimizer``
 all-reduces them into an update that is the same on every device.
+With ``--parallel fsdp``, `common.fsdp.ShardedDataParallel` shards the
+parameters and the optimizer state over the data axis instead and gathers
+and reduce-scatters them in the step (`transforms.fsdp`).
 Every step is awaited (``jax.block_until_ready``): XLA:CPU's in-process
 collectives can deadlock when several collective programs are queued.
 
@@ -73,6 +76,11 @@ class RunResult:
         collectives run over (`qcollect.wire_bytes_by_axis`), keys joined by
         commas: ``{"node": ..., "local": ...}`` for a hierarchical
         all-reduce, ``{"node,local": ...}`` for a psum over both.
+      wire_bytes_by_op: ``wire_bytes`` split by collective (``all-gather``,
+        ``collective-permute``, ``all-reduce``, ...): under FSDP the
+        weights' gather, the gradients' reduce-scatter and the replicated
+        leaves' all-reduce.
+      memory: bytes one device holds after the run (`DataParallel.memory`).
       step_seconds: median wall time of a step (compiles excluded).
       total_seconds: the whole run, compiles and evaluations included.
       compiles: step programs compiled (more than one with entropy plans).
@@ -88,6 +96,8 @@ class RunResult:
     total_seconds: float
     compiles: int = 1
     wire_bytes_by_axis: dict = dataclasses.field(default_factory=dict)
+    wire_bytes_by_op: dict = dataclasses.field(default_factory=dict)
+    memory: dict = dataclasses.field(default_factory=dict)
 
     @property
     def final_accuracy(self) -> float:
@@ -189,6 +199,24 @@ class DataParallel:
         return self.shard_map(body, specs, (P(), specs, P(self.axis), P()),
                               replicated=replicated)
 
+    def communication(self, name: str, cfg, key) -> Communication:
+        """The gradient all-reduce of compressor ``name`` (`common.compressors`)."""
+        return communication(name, cfg, self.axis, key)
+
+    def uncompressed(self) -> DataParallel:
+        """The same model and mesh with nothing compressed but the gradients
+        (whose compressor each run names): itself."""
+        return self
+
+    def place(self, params):
+        """The parameters on the mesh: replicated."""
+        return self.replicate(params)
+
+    def memory(self, params, opt_state) -> dict:
+        """Bytes held by one device: parameters and optimizer state (its
+        error-feedback residuals included)."""
+        return {"params": placed_bytes(params), "state": placed_bytes(opt_state)}
+
     def replicate(self, tree):
         """``tree`` replicated (``P()``) on the mesh, from this process's copy."""
         sharding = NamedSharding(self.mesh, P())
@@ -226,6 +254,12 @@ class DataParallel:
         total = sum(float(_loss_sum(self.graphdef, p, x[i:i + batch], y[i:i + batch]))
                     for i in range(0, len(x), batch))
         return total / max(y.size, 1)
+
+
+def placed_bytes(tree) -> int:
+    """Bytes of ``tree``'s placed arrays held by one device (its first shard of each)."""
+    return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree)
+               if hasattr(leaf, "addressable_shards"))
 
 
 def _local(params):
@@ -267,12 +301,12 @@ def train(dp: DataParallel, name: str, cfg, data, *, progress=None,
     start = time.perf_counter()
     task = as_task(data)
     key = jax.random.key(cfg.seed)
-    comm: Communication = communication(name, cfg, dp.axis, key)
+    comm: Communication = dp.communication(name, cfg, key)
     optimizer = make_optimizer(cfg) if optimizer is None else optimizer
     tx = optax.chain(comm.tx, optimizer)
     planner = (entropy_plan.Planner(dp, comm.entropy, cfg, dp.axis, key, optimizer)
                if comm.entropy is not None else None)
-    params = dp.replicate(dp.params)
+    params = dp.place(dp.params)
     opt_state = dp.init(tx, params)
     step = dp.step(tx, opt_state, replicated=comm.replicated)
     total = run_length(cfg, task.train_size, dp.num_devices)
@@ -336,6 +370,11 @@ def train(dp: DataParallel, name: str, cfg, data, *, progress=None,
         ",".join(axes) if isinstance(axes, tuple) else axes: count
         for axes, count in qc.wire_bytes_by_axis(step, *args, mesh=dp.mesh,
                                                  branches=branches).items()}
+    result.wire_bytes_by_op = {}
+    for op in qc.wire_report(step, *args, branches=branches):
+        result.wire_bytes_by_op[op.op] = (result.wire_bytes_by_op.get(op.op, 0)
+                                          + int(op.bytes_per_call * op.multiplicity))
+    result.memory = dp.memory(params, opt_state)
     result.compiles = len(compiled)
     result.step_seconds = statistics.median(times) if times else float("nan")
     result.total_seconds = time.perf_counter() - start

@@ -5,6 +5,7 @@
     python examples/lm/main.py --width 256 --depth 6 --heads 8 --context 256
     python examples/lm/main.py --checkpoint-dir ckpt --checkpoint-every 100
     python examples/lm/main.py --checkpoint-dir ckpt --resume true   # continue
+    python examples/lm/main.py --parallel fsdp --weight-compressor int8 --compressors none,qsgd-4
     python examples/lm/main.py --help
 
 On a CPU machine the devices are simulated (4 by default; set
@@ -29,20 +30,23 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 from common.config import parse_config  # noqa: E402
 from common.devices import data_mesh  # noqa: E402
-from common.experiment import baseline_wire_bytes, train_each  # noqa: E402
+from common.experiment import baseline_bytes, data_parallel, train_each  # noqa: E402
 from common.text import NextBytes, load_stdlib  # noqa: E402
 from common.train import DataParallel, make_optimizer, run_length  # noqa: E402
 from common.wire_split import phase_bytes, wire_split  # noqa: E402
 
+import transforms  # noqa: E402
 from lm import report  # noqa: E402
 from lm.config import Config  # noqa: E402
 from lm.model import build  # noqa: E402
 
 
-def make_lm_optimizer(cfg, total_steps: int) -> optax.GradientTransformation:
+def make_lm_optimizer(cfg, total_steps: int, axis=None) -> optax.GradientTransformation:
     """Clip the averaged gradient, then ``cfg.optimizer`` (AdamW) on a schedule:
     linear warm-up from 0 over ``cfg.warmup_steps``, cosine decay to a tenth
-    of ``cfg.learning_rate`` at ``total_steps``.
+    of ``cfg.learning_rate`` at ``total_steps``. With ``axis`` (FSDP: the
+    gradients are shards over it) the clip is by the norm of all shards
+    (`transforms.clip_by_global_norm`).
 
     Example:
       >>> tx = make_lm_optimizer(Config(), total_steps=300)
@@ -50,8 +54,9 @@ def make_lm_optimizer(cfg, total_steps: int) -> optax.GradientTransformation:
     warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, cfg.learning_rate, warmup, max(total_steps, warmup + 1), cfg.learning_rate / 10)
-    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
-                       make_optimizer(cfg, schedule, weight_decay=cfg.weight_decay))
+    clip = (optax.clip_by_global_norm(cfg.clip_norm) if axis is None
+            else transforms.clip_by_global_norm(cfg.clip_norm, axis))
+    return optax.chain(clip, make_optimizer(cfg, schedule, weight_decay=cfg.weight_decay))
 
 
 def describe(dp: DataParallel, corpus: dict, cfg, title: str) -> str:
@@ -76,22 +81,29 @@ def run(cfg: Config, corpus=None):
     """
     corpus = load_stdlib(cfg.corpus_dir or None) if corpus is None else corpus
     task = NextBytes(corpus, cfg.context, cfg.val_windows)
-    dp = DataParallel(build(cfg), data_mesh(cfg.mesh, cfg.nodes))
-    optimizer = make_lm_optimizer(cfg, run_length(cfg, task.train_size, dp.num_devices))
-    title = f"Byte-level GPT {cfg.depth}x{cfg.width}"
+    mesh = data_mesh(cfg.mesh, cfg.nodes)
+    fsdp = cfg.parallel == "fsdp"
+    dp = data_parallel(cfg, build(cfg), mesh)
+    optimizer = make_lm_optimizer(cfg, run_length(cfg, task.train_size, dp.num_devices),
+                                  dp.axis if fsdp else None)
+    title = f"Byte-level GPT {cfg.depth}x{cfg.width}" + (
+        f", FSDP (weights {cfg.weight_compressor})" if fsdp else "")
     lead = jax.process_index() == 0
     if lead:
         print(describe(dp, corpus.describe(), cfg, title), flush=True)
     results = train_each(dp, cfg, task, lead, optimizer)
-    splits = {r.name: wire_split(dp, r.name, cfg, r.wire_bytes) for r in results}
-    phases = {r.name: phase_bytes(dp, r.name, cfg, r) for r in results}
-    base = next((r.wire_bytes for r in results if r.name == "none"), None)
-    if base is None:
-        base = baseline_wire_bytes(dp, cfg, task, optimizer)
+    if fsdp:  # every leaf's collectives are compressed but the replicated leaves' all-reduce
+        splits = {r.name: report.fsdp_split(r) for r in results}
+        phases = {r.name: {"steady": r.wire_bytes} for r in results}
+    else:
+        splits = {r.name: wire_split(dp, r.name, cfg, r.wire_bytes) for r in results}
+        phases = {r.name: phase_bytes(dp, r.name, cfg, r) for r in results}
+    base = baseline_bytes(results, dp, cfg, task, optimizer)
     if lead:
+        stem = "lm_fsdp" if fsdp else "lm"
         files = report.save(results, splits, phases, base, cfg, corpus.describe(),
-                            cfg.output_dir, "lm", title)
-        print(report.table(results, splits, base, cfg.link_mbit))
+                            cfg.output_dir, stem, title)
+        print(files["table"].read_text(), end="")
         print(f"wrote {files['table']}, {files['json']} and {files['plot']}")
     return results
 

@@ -89,7 +89,8 @@ def _smaller(base: float, other: float) -> str:
     return f"{base / other:.1f}x smaller"
 
 
-def table(results, splits: dict, baseline_bytes: int | None, link_mbit: float = 0.0) -> str:
+def table(results, splits: dict, baseline_bytes: int | None, link_mbit: float = 0.0,
+          baseline: str = "pmean") -> str:
     """`common.report.table` with validation bits per byte and the split columns;
     with ``link_mbit``, each step's wire floor on that link; with a ``local``
     run, each step's time beyond compute and its ratio to ``none``'s.
@@ -119,7 +120,52 @@ def table(results, splits: dict, baseline_bytes: int | None, link_mbit: float = 
     return report.table(results, baseline_bytes,
                         metric=("val bits / byte", lambda r: "(no all-reduce)"
                                 if r.name == COMPUTE_ONLY else f"{r.accuracy[-1]:.3f}"),
-                        extra=tuple(extra))
+                        extra=tuple(extra), baseline=baseline)
+
+
+def fsdp_split(result) -> tuple[int, int]:
+    """FSDP's ``(compressed, uncompressed)`` bytes per step: the weights'
+    all-gather and the gradients' reduce-scatter (compressed by the run's
+    compressors), and the all-reduces (the replicated leaves' gradients and
+    a 4-byte finiteness flag)."""
+    ops = result.wire_bytes_by_op
+    uncompressed = ops.get("all-reduce", 0)
+    return sum(ops.values()) - uncompressed, uncompressed
+
+
+#: The collectives of FSDP's gradient reduce-scatter: the shifts or the
+#: all-to-all of the compressed blocks, and over ``node,local`` the
+#: uncompressed reduce-scatter inside a node.
+SCATTER_OPS = ("collective-permute", "all-to-all", "reduce-scatter")
+
+
+def fsdp_table(results, baseline_bytes: int) -> str:
+    """Bytes per step and direction, and memory per device, of FSDP runs
+    (``RunResult.wire_bytes_by_op`` and ``RunResult.memory``, from
+    `common.fsdp.ShardedDataParallel.memory`).
+
+    Example:
+      >>> from common.train import RunResult
+      >>> r = RunResult("none", [0], [8.0], [], 100, 100, 0.5, 9.0)
+      >>> r.wire_bytes_by_op = {"all-gather": 60, "collective-permute": 36, "all-reduce": 4}
+      >>> r.memory = {"params": 30, "optimizer": 60, "error_feedback": 100, "ideal": 75}
+      >>> print(fsdp_table([r], 100))
+      | gradients | weights gather | gradients scatter | all-reduce | ... x (total / N) |
+      |---|...
+      | none | 60 | 36 | 4 | 1.0x | 30 | 60 | 100 | 1.20x |
+    """
+    head = ("| gradients | weights gather | gradients scatter | all-reduce | vs uncompressed "
+            "| params / device | optimizer / device | residuals / device "
+            "| params + optimizer x (total / N) |")
+    rows = [head, "|---" * 9 + "|"]
+    for r in results:
+        ops, mem = r.wire_bytes_by_op, r.memory
+        scatter = sum(ops.get(op, 0) for op in SCATTER_OPS)
+        rows.append(f"| {r.name} | {ops.get('all-gather', 0):,} | {scatter:,} | "
+                    f"{ops.get('all-reduce', 0):,} | {baseline_bytes / max(r.wire_bytes, 1):.1f}x "
+                    f"| {mem['params']:,} | {mem['optimizer']:,} | {mem['error_feedback']:,} | "
+                    f"{(mem['params'] + mem['optimizer']) / mem['ideal']:.2f}x |")
+    return "\n".join(rows)
 
 
 def plot(results, phases: dict, cfg, path, title: str):
@@ -155,7 +201,12 @@ def save(results, splits: dict, phases: dict, baseline_bytes, cfg, corpus: dict,
     """
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.md").write_text(table(results, splits, baseline_bytes, cfg.link_mbit) + "\n")
+    fsdp = cfg.parallel == "fsdp"
+    text = table(results, splits, baseline_bytes, cfg.link_mbit,
+                 "uncompressed FSDP" if fsdp else "pmean")
+    if fsdp:
+        text += "\n\n" + fsdp_table(results, baseline_bytes)
+    (out / f"{stem}.md").write_text(text + "\n")
     doc = {"config": dataclasses.asdict(cfg), "corpus": corpus,
            "baseline_wire_bytes": baseline_bytes,
            "runs": [record(r, splits[r.name], phases[r.name], cfg) for r in results]}
