@@ -94,6 +94,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from qcollect._algorithms import EXCHANGES, Chunks, Exchange, reduce_pieces
+from qcollect._blocks import over_blocks
 from qcollect._buckets import BATCH_BUCKETS, BatchBuckets, check_batch_buckets, reduce_buckets
 from qcollect._config import check_choice, check_int
 from qcollect._hierarchical import reduce_hierarchical
@@ -126,7 +127,7 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
                           bucket_bytes: int | None = BUCKET_BYTES, pipeline: int = 1,
                           owner_residual=None,
                           batch_buckets: BatchBuckets = BATCH_BUCKETS,
-                          exchange: Exchange = "permute") -> AllReduceResult:
+                          exchange: Exchange = "permute", block_specs=None) -> AllReduceResult:
     """All-reduce of an array or pytree with every hop compressed.
 
     Args:
@@ -165,6 +166,12 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
         happen at the owner). The same wire bytes and, for pairwise, the
         same values; the ring's sums round in another order (module
         docstring).
+      block_specs: on a mesh with model axes, inside ``jax.shard_map(...,
+        axis_names={axis_name})``: how those axes shard each leaf (a
+        ``PartitionSpec`` for all, or a pytree of them like ``x``; default:
+        read from the leaves' types where the axes are explicit). Each
+        device then reduces its own block, as a leaf of its own, and the
+        result is sharded as ``x`` is (`qcollect._blocks`).
 
     Returns:
       `AllReduceResult` ``(value, contributed, owner_error)``, each like ``x``
@@ -190,8 +197,20 @@ def compressed_all_reduce(x, axis_name, compressor: Compressor, key=None, *,
         compressor, key, axis_name, algorithm=algorithm, pipeline=pipeline,
         owner_residual=owner_residual, batch_buckets=batch_buckets)
     check_choice("exchange", exchange, EXCHANGES)
-    key = jax.random.fold_in(jax.random.key(0) if key is None else key,
-                             lax.axis_index(axis_name))
+    run = functools.partial(_all_reduce, axis_name=axis_name, compressor=compressor,
+                            algorithm=algorithm, mean=mean, fuse=fuse,
+                            bucket_bytes=bucket_bytes, pipeline=pipeline,
+                            batch_buckets=batch_buckets, exchange=exchange, axes=axes)
+    key = jax.random.key(0) if key is None else key
+    owned = algorithm == "pairwise"
+    return over_blocks(run, x, block_specs, key, like_x=(owner_residual,),
+                       out_specs=lambda s: AllReduceResult(s, s, s if owned else None))
+
+
+def _all_reduce(x, owner_residual, key, *, axis_name, compressor, algorithm, mean, fuse,
+                bucket_bytes, pipeline, batch_buckets, exchange, axes) -> AllReduceResult:
+    """`compressed_all_reduce` of checked settings, on whole leaves."""
+    key = jax.random.fold_in(key, lax.axis_index(axis_name))
     n = int(lax.axis_size(axis_name))
     leaves, treedef = jax.tree.flatten(x)
     leaves = [jnp.asarray(leaf) for leaf in leaves]

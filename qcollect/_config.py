@@ -10,7 +10,8 @@ import jax.numpy as jnp
 
 from qcollect.checks import check_choice, check_float, check_int
 
-__all__ = ["check_choice", "check_float", "check_floating_input", "check_int", "require_key"]
+__all__ = ["check_choice", "check_float", "check_floating_input", "check_int", "per_leaf",
+           "require_key"]
 
 
 def check_floating_input(x) -> None:
@@ -24,3 +25,20 @@ def require_key(key, compressor: str):
         raise ValueError(
             f"{compressor} is stochastic: encode(x, key) needs a PRNG key, got key=None")
     return key
+
+
+def per_leaf(treedef, value, single, name: str, what: str) -> list:
+    """``value`` for each leaf of ``treedef``: ``value`` itself for every leaf
+    when ``single(value)``, else ``value`` flattened up to ``treedef`` (a
+    pytree shaped like the leaves' tree).
+
+    Raises:
+      ValueError: ``value`` is neither (the message names ``name`` and ``what``).
+    """
+    if single(value):
+        return [value] * treedef.num_leaves
+    try:
+        return treedef.flatten_up_to(value)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{name} must be {what} or a pytree of them shaped like x, "
+                         f"got {value!r}") from e

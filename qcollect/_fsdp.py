@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from qcollect._baseline import identity
+from qcollect._config import per_leaf
 from qcollect._messages import fused_psum
 from qcollect._payload import Compressor
 from qcollect._ring import as_varying
@@ -141,7 +142,7 @@ def fsdp_gather(shards, residuals, key, axis_name, *, dimension,
     weights = identity() if weights is None else weights
     gradients = identity() if gradients is None else gradients
     leaves, treedef = jax.tree.flatten(shards)
-    dims = _leaf_dimensions(treedef, dimension, len(leaves))
+    dims = _leaf_dimensions(treedef, dimension)
     _check(leaves, _leaf_residuals(treedef, residuals), dims)
     sharded = [i for i, d in enumerate(dims) if d is not None]
     replicated = [i for i, d in enumerate(dims) if d is None]
@@ -188,22 +189,15 @@ def fsdp_gather(shards, residuals, key, axis_name, *, dimension,
     return run(shards, residuals, key)
 
 
-def _leaf_dimensions(treedef, dimension, count: int) -> list:
-    if dimension is None or (isinstance(dimension, int) and not isinstance(dimension, bool)):
-        return [dimension] * count
-    try:
-        return treedef.flatten_up_to(dimension)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"dimension must be an int, None or a pytree shaped like shards "
-                         f"of ints and None, got {dimension!r}") from e
+def _leaf_dimensions(treedef, dimension) -> list:
+    return per_leaf(treedef, dimension,
+                    lambda v: v is None or isinstance(v, int) and not isinstance(v, bool),
+                    "dimension", "an int or None")
 
 
 def _leaf_residuals(treedef, residuals) -> list:
-    try:
-        return treedef.flatten_up_to(residuals)
-    except (ValueError, TypeError) as e:
-        raise ValueError("residuals must be a pytree shaped like shards "
-                         "(qc.fsdp_residuals makes them)") from e
+    return per_leaf(treedef, residuals, lambda v: False, "residuals",
+                    "arrays (qc.fsdp_residuals makes them)")
 
 
 def _check(leaves, residuals, dims) -> None:

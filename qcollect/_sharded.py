@@ -56,7 +56,7 @@ from jax import lax
 
 from qcollect._algorithms import EXCHANGES, Exchange, _gather, _received
 from qcollect._compressed import _hierarchy
-from qcollect._config import check_choice
+from qcollect._config import check_choice, per_leaf
 from qcollect._hierarchical import _reduce_scatter
 from qcollect._payload import Compressor
 from qcollect._result import AllReduceResult
@@ -68,14 +68,8 @@ __all__ = ["compressed_all_gather", "compressed_reduce_scatter"]
 def _dimensions(leaves, treedef, dimension, name: str) -> list[int]:
     """Each leaf's dimension, normalised to ``0 <= d < ndim``: ``dimension``
     is one int for every leaf or a pytree of ints shaped like ``x``."""
-    if isinstance(dimension, int) and not isinstance(dimension, bool):
-        dims = [dimension] * len(leaves)
-    else:
-        try:
-            dims = treedef.flatten_up_to(dimension)
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"{name} must be an int or a pytree of ints shaped like x, "
-                             f"got {dimension!r}") from e
+    dims = per_leaf(treedef, dimension,
+                    lambda v: isinstance(v, int) and not isinstance(v, bool), name, "an int")
     out = []
     for leaf, d in zip(leaves, dims, strict=True):
         if isinstance(d, bool) or not isinstance(d, int):

@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
 from qcollect.checks import check_choice, check_int
@@ -93,6 +94,15 @@ class _Settings:
     pipeline: int
     batch_buckets: Any
     exchange: qc.Exchange
+    block_specs: Any = None
+
+    def leaf_block_specs(self, treedef, count: int) -> list | None:
+        """Each leaf's block spec (flatten order), or None: read from the types."""
+        if self.block_specs is None:
+            return None
+        if isinstance(self.block_specs, P):
+            return [self.block_specs] * count
+        return treedef.flatten_up_to(self.block_specs)
 
     @property
     def keeps_owner_residual(self) -> bool:
@@ -111,7 +121,8 @@ def compressed_all_reduce(axis_name, *, compressor: CompressorSpec, key: jax.Arr
                           fuse: bool = True, bucket_bytes: int | None = qc.BUCKET_BYTES,
                           pipeline: int = 1,
                           batch_buckets: qc.BatchBuckets = qc.BATCH_BUCKETS,
-                          exchange: qc.Exchange = "permute") -> optax.GradientTransformation:
+                          exchange: qc.Exchange = "permute",
+                          block_specs=None) -> optax.GradientTransformation:
     """All-reduce the gradients through ``compressor``, with error feedback.
 
     Each device adds its residual to its gradient; the compressed leaves are
@@ -147,6 +158,11 @@ def compressed_all_reduce(axis_name, *, compressor: CompressorSpec, key: jax.Arr
       exchange: ``"permute"`` (default) or ``"all_to_all"``: how the
         pairwise and ring algorithms move payloads to their owners
         (`qcollect.compressed_all_reduce`).
+      block_specs: on a mesh with model axes (the step in ``jax.shard_map(...,
+        axis_names={axis_name})``), how they shard each compressed leaf: a
+        ``PartitionSpec`` or a pytree of them like the parameters; default:
+        read from the gradients' types where the axes are explicit. Each
+        device compresses its own block (`qcollect.compressed_all_reduce`).
 
     Returns:
       An ``optax.GradientTransformation``; ``update(grads, state, params=None)``.
@@ -181,7 +197,7 @@ def compressed_all_reduce(axis_name, *, compressor: CompressorSpec, key: jax.Arr
         mean=mean, error_feedback=error_feedback, algorithm=algorithm,
         min_size=check_int("min_size", min_size, low=0), compress_if=compress_if, fuse=fuse,
         bucket_bytes=bucket_bytes, pipeline=check_int("pipeline", pipeline),
-        batch_buckets=batch_buckets, exchange=exchange)
+        batch_buckets=batch_buckets, exchange=exchange, block_specs=block_specs)
     return optax.GradientTransformation(functools.partial(_init, key=key, settings=settings),
                                         functools.partial(_update, settings=settings))
 
@@ -217,8 +233,9 @@ def _update(grads, state: CompressedAllReduceState, params=None, *, settings: _S
                            mean=settings.mean)
     new_residuals, new_owners = list(residuals), list(owners)
     step_key = jax.random.fold_in(state.key, state.count)
+    blocks = settings.leaf_block_specs(treedef, len(leaves))
     for i, (value, residual, owner) in _reduce_compressed(inputs, comps, owners, step_key,
-                                                          settings).items():
+                                                          settings, blocks).items():
         out[i] = value
         if residual is not None:
             new_residuals[i] = residual
@@ -237,7 +254,8 @@ def _update(grads, state: CompressedAllReduceState, params=None, *, settings: _S
     )
 
 
-def _reduce_compressed(inputs, comps, owners, step_key, settings: _Settings) -> dict:
+def _reduce_compressed(inputs, comps, owners, step_key, settings: _Settings,
+                       blocks: list | None) -> dict:
     """The compressed leaves summed, one `qcollect.compressed_all_reduce` per
     group of equal compressors (group ``g`` draws ``fold_in(step_key, g)``).
 
@@ -256,7 +274,8 @@ def _reduce_compressed(inputs, comps, owners, step_key, settings: _Settings) -> 
             xs, s.axis_name, compressor, jax.random.fold_in(step_key, g),
             algorithm=s.algorithm, mean=s.mean, fuse=s.fuse, bucket_bytes=s.bucket_bytes,
             pipeline=s.pipeline, owner_residual=owner_in, batch_buckets=s.batch_buckets,
-            exchange=s.exchange)
+            exchange=s.exchange,
+            block_specs=None if blocks is None else [blocks[i] for i in members])
         for j, i in enumerate(members):
             residual = (xs[j] - result.contributed[j].astype(jnp.float32)
                         if s.error_feedback else None)
