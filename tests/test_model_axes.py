@@ -156,3 +156,13 @@ def test_transform_trains_on_a_data_model_mesh_as_on_the_data_axis():
     for name in params:
         np.testing.assert_allclose(np.asarray(p_c[name]), np.asarray(p_r[name]),
                                    rtol=1e-5, atol=1e-6)
+
+
+def test_bad_block_specs_name_themselves():
+    mesh = _mesh(AxisType.Auto)
+    g = _grads(mesh)
+    for bad, match in (({"w": P(None, "model")}, "block_specs"),
+                       ({"w": "model", "v": P()}, "PartitionSpecs"),
+                       (P(None, None, "model"), "more entries")):
+        with jax.set_mesh(mesh), pytest.raises(ValueError, match=match):
+            _reduce(mesh, qc.identity(), bad)(g)
