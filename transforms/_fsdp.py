@@ -195,7 +195,7 @@ def shard_params(params, mesh, axis_name, dimension):
     across processes (each fills its own devices from equal ``params``)."""
     specs = shard_specs(dimension, axis_name)
     return jax.tree.map(lambda leaf, spec: _put(leaf, NamedSharding(mesh, spec)), params,
-                        specs, is_leaf=lambda x: isinstance(x, P))
+                        specs)
 
 
 def init_on_shards(tx: optax.GradientTransformation, shards, mesh):

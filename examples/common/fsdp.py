@@ -17,6 +17,8 @@ values, ZeRO++'s qwZ: ``qc.qsgd(bits, bucket_size=2048, stochastic=False)``).
 
 from __future__ import annotations
 
+import copy
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -80,8 +82,8 @@ class ShardedDataParallel(DataParallel):
 
     def uncompressed(self) -> ShardedDataParallel:
         """The same sharding with the weights gathered exactly."""
-        other = object.__new__(ShardedDataParallel)
-        other.__dict__.update(self.__dict__, weights=qc.identity(), _fsdp=None)
+        other = copy.copy(self)
+        other.weights, other._fsdp = qc.identity(), None
         return other
 
     def communication(self, name: str, cfg, key) -> Communication:
