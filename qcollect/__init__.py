@@ -17,6 +17,7 @@ package, installed by the same distribution.
 from qcollect._adaptive import AdaptiveCompressor, adaptive
 from qcollect._algorithms import EXCHANGES, Exchange, collective_codec
 from qcollect._baseline import CastCompressor, cast, identity
+from qcollect._blocks import block_spec_tree
 from qcollect._buckets import (
     AUTO_BATCH_BYTES,
     AUTO_TRACE_LIMIT,
@@ -102,6 +103,7 @@ __all__ = [
     "WireOp",
     "adaptive",
     "all_gather_invariant",
+    "block_spec_tree",
     "bytes_along",
     "cast",
     "collective_codec",

@@ -48,11 +48,14 @@ def _typed_spec(leaf):
 
 def block_spec_tree(x, block_specs):
     """Each leaf's block spec: ``block_specs`` (one ``PartitionSpec`` for every
-    leaf, or a pytree of them shaped like ``x``), or by default (None) the
-    explicit sharding of each leaf's type; ``P()`` where nothing shards it."""
+    leaf, a pytree of them shaped like ``x``, or ``f(path, leaf) ->
+    PartitionSpec``), or by default (None) the explicit sharding of each
+    leaf's type; ``P()`` where nothing shards it."""
     leaves, treedef = jax.tree.flatten(x)
     if block_specs is None:
         specs = [_typed_spec(leaf) or P() for leaf in leaves]
+    elif callable(block_specs):
+        specs = [block_specs(path, leaf) for path, leaf in jax.tree.leaves_with_path(x)]
     else:
         specs = per_leaf(treedef, block_specs, lambda v: isinstance(v, P), "block_specs",
                          "a PartitionSpec")
@@ -70,8 +73,13 @@ def over_blocks(run: Callable, x, block_specs, *shared, like_x=(), out_specs: Ca
     mesh axes its block specs name (`block_spec_tree`), or as it is when none
     do.
 
+    Leaves that no model axis shards run apart from the sharded ones, whole
+    (as without model axes): in one buffer with blocks, which differ
+    between the model devices, their encoding would differ too (buckets,
+    scales) and so would their "replicated" result.
+
     Args:
-      run: the collective.
+      run: the collective, of a list of leaves (or of ``x``).
       x: the leaves, model-sharded as ``block_specs`` say.
       block_specs: see `block_spec_tree`.
       shared: arguments every block sees whole (a PRNG key).
@@ -83,11 +91,52 @@ def over_blocks(run: Callable, x, block_specs, *shared, like_x=(), out_specs: Ca
       ``run``'s result, sharded by ``out_specs``.
     """
     specs = block_spec_tree(x, block_specs)
-    axes = set()
-    for spec in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P)):
-        axes |= _axes_of(spec)
+    leaves, treedef = jax.tree.flatten(x)
+    spec_list = treedef.flatten_up_to(specs)
+    axes = set().union(*[_axes_of(s) for s in spec_list])
     if not axes:
         return run(x, *like_x, *shared)
-    in_specs = (specs, *[None if a is None else specs for a in like_x], *[P()] * len(shared))
-    return jax.shard_map(run, in_specs=in_specs, out_specs=out_specs(specs),
-                         axis_names=frozenset(axes))(x, *like_x, *shared)
+    others = [None if a is None else treedef.flatten_up_to(a) for a in like_x]
+
+    def pick(indices):
+        return ([leaves[i] for i in indices],
+                *[None if a is None else [a[i] for i in indices] for a in others])
+
+    whole = [i for i, s in enumerate(spec_list) if not _axes_of(s)]
+    blocked = [i for i, s in enumerate(spec_list) if _axes_of(s)]
+    found = {}
+    if whole:
+        found |= _by_slot(run(*pick(whole), *shared), whole, out_specs)
+    sharded = [spec_list[i] for i in blocked]
+    in_specs = (sharded, *[None if a is None else sharded for a in others],
+                *[P()] * len(shared))
+    result = jax.shard_map(run, in_specs=in_specs, out_specs=out_specs(sharded),
+                           axis_names=frozenset(axes))(*pick(blocked), *shared)
+    found |= _by_slot(result, blocked, out_specs)
+    slots, layout = jax.tree.flatten(out_specs(treedef.unflatten(
+        [_Slot(i) for i in range(len(leaves))])))
+    return layout.unflatten([found[key] for key in _slot_keys(slots)])
+
+
+class _Slot:
+    """A marker for leaf ``index`` of ``x`` in the structure ``out_specs`` builds."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+def _slot_keys(slots) -> list:
+    """``(leaf index, occurrence)`` of each marker: ``out_specs`` may place a
+    leaf's spec several times (the fields of an `AllReduceResult`)."""
+    seen: dict[int, int] = {}
+    keys = []
+    for slot in slots:
+        keys.append((slot.index, seen.get(slot.index, 0)))
+        seen[slot.index] = keys[-1][1] + 1
+    return keys
+
+
+def _by_slot(result, indices, out_specs) -> dict:
+    """``result`` of ``run`` on the leaves ``indices``, keyed as `_slot_keys`."""
+    slots, layout = jax.tree.flatten(out_specs([_Slot(i) for i in indices]))
+    return dict(zip(_slot_keys(slots), layout.flatten_up_to(result), strict=True))

@@ -22,6 +22,7 @@ bytes on the wire are the same: only the number of messages changes.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from qcollect._blocks import over_blocks
 from qcollect._layout import BUCKET_BYTES
 from qcollect._vma import varying_axes
 
@@ -166,7 +168,8 @@ def _buckets(sizes: list[int], cap: int | None) -> list[list[int]]:
     return runs
 
 
-def fused_psum(x, axis_name, *, mean: bool = False, bucket_bytes: int | None = BUCKET_BYTES):
+def fused_psum(x, axis_name, *, mean: bool = False, bucket_bytes: int | None = BUCKET_BYTES,
+               block_specs=None):
     """``lax.psum`` (or ``lax.pmean``) of a pytree with one collective per
     bucket: the leaves of one dtype are concatenated into buckets of at most
     ``bucket_bytes``, as PyTorch DDP buckets gradients.
@@ -197,6 +200,13 @@ def fused_psum(x, axis_name, *, mean: bool = False, bucket_bytes: int | None = B
       >>> np.asarray(out["b"]).tolist()
       [0.0, 1.0, 2.0]
     """
+    run = functools.partial(_fused_psum, axis_name=axis_name, mean=mean,
+                            bucket_bytes=bucket_bytes)
+    return over_blocks(run, x, block_specs, out_specs=lambda specs: specs)
+
+
+def _fused_psum(x, *, axis_name, mean: bool, bucket_bytes: int | None):
+    """`fused_psum` on whole leaves."""
     reduce = lax.pmean if mean else lax.psum
     leaves, treedef = jax.tree.flatten(x)
     leaves = [jnp.asarray(leaf) for leaf in leaves]

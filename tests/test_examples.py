@@ -176,6 +176,23 @@ def test_mlp_example_trains_sharded_on_nodes(tmp_path, capsys):
     assert "vs uncompressed FSDP" in capsys.readouterr().out
 
 
+def test_mlp_example_trains_on_a_data_model_mesh(tmp_path, capsys):
+    """``--model-parallel 2``: the MLP's layers split column / row over a
+    model axis, one-bit on each device's blocks over the data axis; the
+    table splits the bytes by axis."""
+    results = _main("mnist_mlp")(_tiny_args(tmp_path, ["none", "onebit"], [
+        "--width", "64", "--model-parallel", "2"]))
+    none, onebit = results
+    for r in results:
+        assert len(r.losses) == 4 and np.isfinite(r.losses).all(), r.name
+        assert set(r.wire_bytes_by_axis) <= {"data", "model"}
+    assert onebit.wire_bytes_by_axis["data"] < none.wire_bytes_by_axis["data"] / 10
+    assert (abs(onebit.wire_bytes_by_axis.get("model", 0) - none.wire_bytes_by_axis.get(
+        "model", 0)) <= 64)
+    out = capsys.readouterr().out
+    assert "(4 data x 2 model, cpu)" in out and "| data vs none |" in out
+
+
 @pytest.mark.slow  # a training run; the hierarchy is tested in test_hierarchical.py
 def test_mlp_example_on_nodes_compresses_only_across_nodes(tmp_path, capsys):
     """``--mesh node,local``: 2 simulated nodes of 4 devices, hierarchical all-reduce;

@@ -156,7 +156,7 @@ def test_compressed_fsdp_trains_and_keeps_residuals(error_feedback):
         losses.append(float(loss))
     assert np.mean(losses[-10:]) < 0.6 * np.mean(losses[:5])
     res = np.asarray(fstate.residual["w1"])
-    assert res.shape == (N, 12, 32)
+    assert res.shape == ((N, 12, 32) if error_feedback else (N,))  # no residual stored
     assert (np.abs(res).max() > 0) == error_feedback
     assert int(fstate.count) == 60
 

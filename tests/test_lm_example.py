@@ -276,6 +276,74 @@ def test_lm_trains_sharded_with_compressed_gathers_and_scatters(tmp_path, capsys
     assert "vs uncompressed FSDP" in out and "| qsgd-4 |" in out
 
 
+def test_lm_trains_on_a_data_model_mesh_as_on_the_data_axis(tmp_path, capsys):
+    """``--model-parallel 2``: a (data=4, model=2) mesh, twice the batch per
+    data replica (the same global batches as 8 data devices). ``none`` gives
+    the 8-device run's losses; no gradient byte crosses the model axis
+    (``none`` and ``qsgd-4`` send the same there: the model's own
+    collectives); the data axis carries an all-reduce of each device's
+    blocks; parameters and moments are sharded over the model axis."""
+    flat = _main()(["--compressors", "none", "--steps", "3", "--eval-every", "3",
+                    "--output-dir", str(tmp_path / "flat"), *TINY])
+    none, qsgd = _main()(["--model-parallel", "2", "--compressors", "none,qsgd-4", "--steps",
+                          "3", "--eval-every", "3", "--output-dir", str(tmp_path), *TINY,
+                          "--batch-size", "4"])
+    np.testing.assert_allclose(none.losses, flat[0].losses, rtol=1e-5)
+    np.testing.assert_allclose(none.accuracy, flat[0].accuracy, rtol=1e-4)
+    assert np.isfinite(qsgd.losses).all() and qsgd.accuracy[0] == none.accuracy[0]
+    assert abs(none.wire_bytes_by_axis["model"] - qsgd.wire_bytes_by_axis["model"]) <= 64
+    # pmean of each device's blocks over the 4 data devices (ring: 2 (n - 1) / n)
+    assert none.wire_bytes_by_axis["data"] == 2 * 3 / 4 * none.memory["params"]
+    assert qsgd.wire_bytes_by_axis["data"] < none.wire_bytes_by_axis["data"] / 4
+    total = 4 * sum(leaf.size for leaf in _leaves(Config(width=32, depth=1, heads=2, context=16)))
+    assert none.memory["params"] < 0.8 * total
+    assert qsgd.memory["state"] < 3 * none.memory["params"] + 64  # moments + residuals, sharded
+    assert (tmp_path / "lm_model.md").exists()
+    assert "by mesh axis" in capsys.readouterr().out
+
+
+def test_lm_trains_with_diloco_beside_synchronous_runs(tmp_path, capsys):
+    """``--diloco-every 2``: the synchronous ``none`` run, then DiLoCo with
+    exact and 4-bit outer gradients. A synchronising step sends what one
+    synchronous step sends (exact), an inner step nothing, so the mean per
+    step is half; the table gives bytes per token and tokens per second."""
+    none, exact, four = _main()([
+        "--compressors", "none", "--diloco-every", "2", "--outer-compressor", "none,qsgd-4",
+        "--steps", "4", "--eval-every", "2", "--output-dir", str(tmp_path), *TINY])
+    assert [r.name for r in (exact, four)] == ["diloco-none", "diloco-qsgd-4"]
+    for r in (exact, four):
+        assert np.isfinite(r.losses).all() and np.isfinite(r.accuracy).all()
+        assert r.steps == [0, 2, 4] and r.mean_step_seconds > 0
+    assert exact.wire_bytes_max == none.wire_bytes
+    assert exact.wire_bytes == round(none.wire_bytes / 2)
+    assert four.wire_bytes < exact.wire_bytes / 4
+    record = json.loads((tmp_path / "lm_diloco.json").read_text())
+    assert [r["name"] for r in record["runs"]] == ["none", "diloco-none", "diloco-qsgd-4"]
+    out = capsys.readouterr().out
+    assert "bytes / token" in out and "| diloco-qsgd-4 |" in out
+
+
+def test_diloco_config_is_checked():
+    with pytest.raises(ValueError, match="outer_compressor"):
+        Config(diloco_every=10, outer_compressor=("powersgd",))
+    with pytest.raises(ValueError, match="fragments"):
+        Config(diloco_every=4, fragments=5)
+    with pytest.raises(ValueError, match="diloco_delay"):
+        Config(diloco_every=4, fragments=2, diloco_delay=2)
+    with pytest.raises(ValueError, match="compressors"):
+        Config(compressors=())
+    assert Config(compressors=(), diloco_every=4).extra_runs == ("none",)
+
+
+def test_model_parallel_config_is_checked():
+    with pytest.raises(ValueError, match="compressors"):
+        Config(model_parallel=2, compressors=("powersgd",))
+    with pytest.raises(ValueError, match="model_parallel"):
+        Config(model_parallel=2, parallel="fsdp", compressors=("none",))
+    with pytest.raises(ValueError, match="model_parallel"):
+        Config(model_parallel=0)
+
+
 def test_fsdp_config_is_checked():
     with pytest.raises(ValueError, match="compressors"):
         Config(parallel="fsdp", compressors=("powersgd",))

@@ -166,3 +166,109 @@ def test_bad_block_specs_name_themselves():
                        (P(None, None, "model"), "more entries")):
         with jax.set_mesh(mesh), pytest.raises(ValueError, match=match):
             _reduce(mesh, qc.identity(), bad)(g)
+
+
+def test_fused_psum_sums_each_devices_blocks():
+    """qc.fused_psum with block_specs: lax.pmean's values, no bucket gathered
+    across the model axis (without them the concatenation of model-sharded
+    leaves pulls them along it)."""
+    mesh = _mesh(AxisType.Auto)
+    g = _grads(mesh)
+
+    def fused(block_specs):
+        def body(g):
+            return qc.fused_psum(jax.tree.map(lambda a: a[0], g), "data", mean=True,
+                                 block_specs=block_specs)
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P(),
+                                     axis_names={"data"}))
+
+    with jax.set_mesh(mesh):
+        out = fused(SPECS)(g)
+        blocks = qc.wire_bytes_by_axis(fused(SPECS), g, mesh=mesh)
+        whole = qc.wire_bytes_by_axis(fused(None), g, mesh=mesh)
+        exact = qc.wire_bytes_by_axis(_pmean(mesh), g, mesh=mesh)
+    for name, leaf in g.items():
+        np.testing.assert_array_equal(np.asarray(out[name]), np.asarray(leaf).mean(0))
+        assert _normal(out[name].sharding.spec) == _normal(SPECS[name])
+    assert blocks == exact and "model" not in blocks
+    assert whole.get("model", 0) > 0
+
+
+def test_transform_state_is_sharded_like_the_parameters():
+    """init_sharded on model-sharded parameters: residuals P("data", *spec),
+    moments as their parameters; the step keeps every placement, sends no
+    gradient byte along the model axis (a model-sharded bias under min_size
+    included, given by a callable block spec) and matches pmean."""
+    mesh = _mesh(AxisType.Auto)
+    specs = {"w": P(None, "model"), "b": P("model")}
+    params = {"w": jnp.linspace(-1, 1, 48 * 64).reshape(48, 64), "b": jnp.linspace(0, 1, 64)}
+    params = {n: jax.device_put(p, NamedSharding(mesh, specs[n])) for n, p in params.items()}
+    x = jax.random.normal(jax.random.key(4), (4 * 8, 48))
+
+    def loss(p, x):
+        return jnp.mean(jnp.tanh(x @ p["w"] + p["b"]) ** 2)
+
+    rule = lambda path, leaf: specs[path[-1].key]  # noqa: E731
+
+    def trainer(comm):
+        tx = optax.chain(comm, optax.adam(1e-2))
+        state = transforms.init_sharded(tx, params, mesh, "data")
+        sspecs = transforms.state_specs(state, "data")
+        step = jax.jit(jax.shard_map(
+            lambda p, s, x: (lambda g: tx.update(g, s, p))(
+                jax.grad(loss)(lax.pcast(p, "data", to="varying"), x)),
+            mesh=mesh, in_specs=(P(), sspecs, P("data")), out_specs=(P(), sspecs),
+            axis_names={"data"}))
+        return step, state
+
+    packed, state = trainer(transforms.compressed_all_reduce(
+        "data", compressor=qc.qsgd(bits=4, bucket_size=64), key=jax.random.key(0),
+        min_size=100, block_specs=rule))
+    assert _normal(state[0].residual["w"].sharding.spec) == ("data", None, "model")
+    assert _normal(state[1][0].mu["w"].sharding.spec) == (None, "model")
+    assert _normal(state[1][0].nu["b"].sharding.spec) == ("model",)
+    exact, exact_state = trainer(transforms.compressed_all_reduce(
+        "data", compressor=qc.identity(), key=jax.random.key(0), min_size=100,
+        block_specs=rule))
+    reference, ref_state = trainer(optax.GradientTransformation(
+        lambda p: optax.EmptyState(), lambda g, s, p=None: (lax.pmean(g, "data"), s)))
+    with jax.set_mesh(mesh):
+        batch = jax.device_put(x, NamedSharding(mesh, P("data")))
+        updates, new_state = packed(params, state, batch)
+        by_axis = qc.wire_bytes_by_axis(packed, params, state, batch, mesh=mesh)
+        mine, _ = exact(params, exact_state, batch)
+        theirs, _ = reference(params, ref_state, batch)
+        model_only = qc.wire_bytes_by_axis(reference, params, ref_state, batch, mesh=mesh)
+    assert (_normal(new_state[0].residual["w"].sharding.spec)
+            == _normal(state[0].residual["w"].sharding.spec))
+    assert by_axis.get("model", 0) <= model_only.get("model", 0) + 8
+    for name in params:
+        np.testing.assert_allclose(np.asarray(mine[name]), np.asarray(theirs[name]),
+                                   rtol=1e-6, atol=1e-7)
+
+
+def test_replicated_leaves_reduce_apart_from_the_blocks():
+    """A compressor group of model-sharded and replicated leaves: the
+    replicated leaf is reduced whole, as without model axes (the same
+    result on both model devices, which ``out_specs=P()`` checks, and the
+    values of its own all-reduce), the blocks as blocks."""
+    mesh = _mesh(AxisType.Auto)
+    g = _grads(mesh)
+    r = jax.device_put(jnp.linspace(-3, 3, 4 * 40).reshape(4, 40), NamedSharding(mesh, P("data")))
+    qsgd = qc.qsgd(bits=4, bucket_size=64)
+    specs = dict(SPECS, r=P())
+
+    def body(g, r):
+        g = dict(jax.tree.map(lambda a: a[0], g), r=r[0])
+        key = jax.random.key(1)
+        mixed = qc.compressed_all_reduce(g, "data", qsgd, key, mean=True, block_specs=specs)
+        alone = qc.compressed_all_reduce([g["r"]], "data", qsgd, key, mean=True)
+        return mixed.value, alone.value[0]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P(),
+                              axis_names={"data"}))
+    with jax.set_mesh(mesh):
+        mixed, alone = f(g, r)
+    np.testing.assert_array_equal(np.asarray(mixed["r"]), np.asarray(alone))
+    for name in SPECS:
+        assert _normal(mixed[name].sharding.spec) == _normal(SPECS[name])

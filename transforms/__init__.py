@@ -11,6 +11,7 @@ residuals are per device (`state_specs`, `init_sharded`).
 from transforms._all_reduce import CompressedAllReduceState, compressed_all_reduce
 from transforms._averaging import ModelAveragingState, compressed_model_averaging
 from transforms._checkpoint import restore_sharded
+from transforms._diloco import DiLoCoState, diloco, fragment_masks
 from transforms._fsdp import (
     FSDP,
     FSDPState,
@@ -29,6 +30,7 @@ from transforms._sharding import init_sharded, state_specs
 __all__ = [
     "FSDP",
     "CompressedAllReduceState",
+    "DiLoCoState",
     "FSDPState",
     "GradiVeQState",
     "ModelAveragingState",
@@ -37,6 +39,8 @@ __all__ = [
     "compressed_all_reduce",
     "compressed_fraction",
     "compressed_model_averaging",
+    "diloco",
+    "fragment_masks",
     "fsdp",
     "gradiveq",
     "init_on_shards",

@@ -96,13 +96,12 @@ class _Settings:
     exchange: qc.Exchange
     block_specs: Any = None
 
-    def leaf_block_specs(self, treedef, count: int) -> list | None:
+    def leaf_block_specs(self, tree) -> list | None:
         """Each leaf's block spec (flatten order), or None: read from the types."""
         if self.block_specs is None:
             return None
-        if isinstance(self.block_specs, P):
-            return [self.block_specs] * count
-        return treedef.flatten_up_to(self.block_specs)
+        return jax.tree.leaves(qc.block_spec_tree(tree, self.block_specs),
+                               is_leaf=lambda s: isinstance(s, P))
 
     @property
     def keeps_owner_residual(self) -> bool:
@@ -160,9 +159,11 @@ def compressed_all_reduce(axis_name, *, compressor: CompressorSpec, key: jax.Arr
         (`qcollect.compressed_all_reduce`).
       block_specs: on a mesh with model axes (the step in ``jax.shard_map(...,
         axis_names={axis_name})``), how they shard each compressed leaf: a
-        ``PartitionSpec`` or a pytree of them like the parameters; default:
-        read from the gradients' types where the axes are explicit. Each
-        device compresses its own block (`qcollect.compressed_all_reduce`).
+        ``PartitionSpec``, a pytree of them like the parameters, or
+        ``f(path, leaf) -> PartitionSpec``; default: read from the
+        gradients' types where the axes are explicit. Each device
+        compresses (and, for the uncompressed leaves, sums) its own block
+        (`qcollect.compressed_all_reduce`).
 
     Returns:
       An ``optax.GradientTransformation``; ``update(grads, state, params=None)``.
@@ -229,11 +230,11 @@ def _update(grads, state: CompressedAllReduceState, params=None, *, settings: _S
     inputs = [leaf if r is None else leaf.astype(jnp.float32) + r
               for leaf, r in zip(leaves, residuals, strict=True)]
 
+    blocks = settings.leaf_block_specs(grads)
     out = sum_uncompressed(inputs, [c is not None for c in comps], settings.axis_name,
-                           mean=settings.mean)
+                           mean=settings.mean, block_specs=blocks)
     new_residuals, new_owners = list(residuals), list(owners)
     step_key = jax.random.fold_in(state.key, state.count)
-    blocks = settings.leaf_block_specs(treedef, len(leaves))
     for i, (value, residual, owner) in _reduce_compressed(inputs, comps, owners, step_key,
                                                           settings, blocks).items():
         out[i] = value

@@ -28,6 +28,7 @@ shards (its moments sharded like them), and `transforms.init_sharded` /
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -35,12 +36,19 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
 from qcollect.checks import check_choice
-from transforms._sharding import _put, _varies_along, keep_if_finite, mesh_axes, per_device
+from transforms._sharding import (
+    _put,
+    _varies_along,
+    init_like_params,
+    keep_if_finite,
+    mesh_axes,
+    per_device,
+)
 
 __all__ = ["FSDP", "FSDPState", "clip_by_global_norm", "fsdp", "init_on_shards",
            "shard_params", "shard_specs", "sharded_specs"]
@@ -53,7 +61,7 @@ class FSDPState(NamedTuple):
     Attributes:
       residual: per device (``P(axis_name)``): the gradient's error-feedback
         residual, float32, the full shape of each sharded leaf (a scalar
-        zero for replicated leaves); zeros without error feedback.
+        zero for replicated leaves); without error feedback a scalar zero per leaf.
       key: the PRNG key, replicated.
       count: steps taken, replicated; each step draws ``fold_in(key, count)``.
     """
@@ -101,7 +109,8 @@ def fsdp(axis_name, *, dimension, key: jax.Array, weights: qc.Compressor | None 
       gradients: the gradients' reduce-scatter compressor (default
         ``qc.identity()``), e.g. ``qc.qsgd(bits=4)``.
       error_feedback: keep ``x - contributed`` of every device's gradient
-        blocks for the next step (default True).
+        blocks for the next step (default True). Without it the state holds
+        a scalar per leaf, no residual.
       mean: gradients are the mean over devices (default) or the sum.
       exchange: ``"permute"`` or ``"all_to_all"`` (`qcollect.compressed_reduce_scatter`).
 
@@ -133,13 +142,15 @@ def fsdp(axis_name, *, dimension, key: jax.Array, weights: qc.Compressor | None 
         raise ValueError(f"{gradients.name} is stochastic: pass key")
 
     def init(params) -> FSDPState:
-        return FSDPState(residual=qc.fsdp_residuals(params, dimension), key=key,
-                         count=jnp.zeros([], jnp.int32))
+        residual = (qc.fsdp_residuals(params, dimension) if error_feedback else
+                    jax.tree.map(lambda _: jnp.zeros((), jnp.float32), params))
+        return FSDPState(residual=residual, key=key, count=jnp.zeros([], jnp.int32))
 
     def value_and_grad(loss_fn, has_aux: bool = False):
         def run(shards, state: FSDPState, *args):
             stored = state.residual
-            residual = jax.tree.map(_block, stored)
+            residual = (jax.tree.map(_block, stored) if error_feedback
+                        else _zero_residuals(shards, dimension, axis_name))
             step_key = jax.random.fold_in(state.key, state.count)
 
             def loss_of(s, r):
@@ -151,7 +162,8 @@ def fsdp(axis_name, *, dimension, key: jax.Array, weights: qc.Compressor | None 
             value, (grads, new) = jax.value_and_grad(loss_of, argnums=(0, 1),
                                                      has_aux=has_aux)(shards, residual)
             if not error_feedback:
-                new = residual
+                return (value, grads), FSDPState(stored, state.key,
+                                                 optax.safe_int32_increment(state.count))
             finite = _finite_everywhere(grads, axis_name)
             new = keep_if_finite(finite, new, residual)
             new = jax.tree.map(lambda n, s: n.reshape(s.shape), new, stored)
@@ -160,6 +172,21 @@ def fsdp(axis_name, *, dimension, key: jax.Array, weights: qc.Compressor | None 
         return run
 
     return FSDP(init, value_and_grad, dimension)
+
+
+def _zero_residuals(shards, dimension, axis_name):
+    """`qcollect.fsdp_residuals` of the full leaves whose shards are ``shards``
+    (made in the step: without error feedback nothing is stored)."""
+    n = math.prod(lax.axis_size(a) for a in mesh_axes(axis_name))
+
+    def zeros(shard, d):
+        shape = list(jnp.shape(shard))
+        if d is not None:
+            shape[d] *= n
+        return lax.pcast(jnp.zeros(() if d is None else shape, jnp.float32),
+                         tuple(mesh_axes(axis_name)), to="varying")  # per device, as stored
+
+    return jax.tree.map(zeros, shards, dimension, is_leaf=lambda d: d is None)
 
 
 def _block(stored):
@@ -200,20 +227,10 @@ def shard_params(params, mesh, axis_name, dimension):
 
 def init_on_shards(tx: optax.GradientTransformation, shards, mesh):
     """``tx.init(shards)`` on ``mesh``: moments sharded like the parameters
-    they follow (placed by `shard_params`), counters replicated.
-
-    The state is made on the mesh's devices with explicit axis types, under
-    which ``zeros_like`` keeps its argument's sharding (with automatic axes
-    the compiler may replicate it), then placed on ``mesh`` spec for spec.
-    """
-    explicit = Mesh(mesh.devices, mesh.axis_names,
-                    axis_types=(AxisType.Explicit,) * len(mesh.axis_names))
-    moved = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(explicit, a.sharding.spec)),
-                         shards)
-    with jax.set_mesh(explicit):
-        state = jax.jit(tx.init)(moved)
+    they follow (placed by `shard_params`), counters replicated
+    (`transforms._sharding.init_like_params`)."""
     return jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, a.sharding.spec)),
-                        state)
+                        init_like_params(tx, shards, mesh))
 
 
 def sharded_specs(tree):

@@ -91,13 +91,17 @@ def compressed_fraction(tree, compressors: list) -> float:
     return kept / total if total else 0.0
 
 
-def sum_uncompressed(leaves: list, compressed: list[bool], axis_name, *, mean: bool) -> list:
+def sum_uncompressed(leaves: list, compressed: list[bool], axis_name, *, mean: bool,
+                     block_specs: list | None = None) -> list:
     """The leaves that go uncompressed, summed (or averaged) over ``axis_name``
-    in one exchange per 4 MiB bucket (`qcollect.fused_psum`); None in the
-    places of the compressed ones, for the caller to fill."""
+    in one exchange per 4 MiB bucket (`qcollect.fused_psum`, each device's
+    model blocks when ``block_specs`` lists every leaf's); None in the places
+    of the compressed ones, for the caller to fill."""
     plain = [i for i, c in enumerate(compressed) if not c]
     out = [None] * len(leaves)
-    for i, v in zip(plain, qc.fused_psum([leaves[i] for i in plain], axis_name, mean=mean),
-                    strict=True):
+    blocks = None if block_specs is None else [block_specs[i] for i in plain]
+    summed = qc.fused_psum([leaves[i] for i in plain], axis_name, mean=mean,
+                           block_specs=blocks)
+    for i, v in zip(plain, summed, strict=True):
         out[i] = v
     return out

@@ -28,6 +28,7 @@ hand back the block shape they received.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -35,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 __all__ = ["init_sharded", "state_specs"]
@@ -116,7 +117,10 @@ def init_sharded(tx: optax.GradientTransformation, params, mesh, axis_name):
 
     Args:
       tx: any optax transformation (a chain containing qcollect transforms).
-      params: the parameters (replicated arrays or host values).
+      params: the parameters: host values, replicated arrays, or arrays
+        placed sharded over the mesh's model axes (a ``(data, model)``
+        mesh): every state leaf is then sharded as the parameter it
+        follows, per-device leaves ``P(axis_name, *param_spec)``.
       mesh: a `jax.sharding.Mesh` with axis ``axis_name``.
       axis_name: the data axis, or a pair ``(outer, inner)`` of mesh axes:
         per-device leaves then get one row per device of both.
@@ -138,16 +142,55 @@ def init_sharded(tx: optax.GradientTransformation, params, mesh, axis_name):
         raise ValueError(f"axis_name {axis_name!r}: {missing[0]!r} is not an axis of the "
                          f"mesh {tuple(mesh.shape)}")
     n = math.prod(mesh.shape[a] for a in mesh_axes(axis_name))
+    if _model_sharded(params):
+        state = init_like_params(tx, params, mesh)
+        return jax.tree.map(functools.partial(_place_like_params, mesh=mesh, n=n,
+                                              axis_name=axis_name),
+                            state, state_specs(state, axis_name))
     with jax.set_mesh(mesh):
         state = jax.jit(tx.init)(params)
-    specs = state_specs(state, axis_name)
 
     def place(leaf, spec):
         if spec != P():
             leaf = jnp.broadcast_to(leaf[None], (n,) + jnp.shape(leaf))
         return _put(leaf, NamedSharding(mesh, spec))
 
-    return jax.tree.map(place, state, specs)
+    return jax.tree.map(place, state, state_specs(state, axis_name))
+
+
+def _place_like_params(leaf, spec, *, mesh, n: int, axis_name):
+    """A state leaf made by `init_like_params` on ``mesh``: its own spec, or
+    per device (``spec`` not ``P()``) ``P(axis_name, *its spec)``."""
+    block = leaf.sharding.spec
+    leaf = jax.device_put(leaf, NamedSharding(mesh, block))
+    if spec == P():
+        return leaf
+    return jax.jit(lambda a: jnp.broadcast_to(a[None], (n,) + a.shape),
+                   out_shardings=NamedSharding(mesh, P(axis_name, *block)))(leaf)
+
+
+def _model_sharded(params) -> bool:
+    """Some leaf of ``params`` is placed sharded on a mesh (over model axes)."""
+    return any(isinstance(getattr(leaf, "sharding", None), NamedSharding)
+               and any(entry is not None for entry in leaf.sharding.spec)
+               for leaf in jax.tree.leaves(params))
+
+
+def init_like_params(tx: optax.GradientTransformation, params, mesh):
+    """``tx.init(params)`` with each state leaf sharded as the parameter it
+    follows (moments, residuals), on ``mesh`` with explicit axis types.
+
+    Under explicit axes ``zeros_like`` keeps its argument's sharding (with
+    automatic axes the compiler may replicate it), so the state is made on a
+    copy of ``mesh`` whose axes are explicit; callers place it back on
+    ``mesh`` by each leaf's ``sharding.spec``.
+    """
+    explicit = Mesh(mesh.devices, mesh.axis_names,
+                    axis_types=(AxisType.Explicit,) * len(mesh.axis_names))
+    moved = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(explicit, a.sharding.spec)),
+                         params)
+    with jax.set_mesh(explicit):
+        return jax.jit(tx.init)(moved)
 
 
 def _put(value, sharding):

@@ -27,8 +27,9 @@ def leaf_paths(tree) -> list[str]:
 
 
 def zeros_or_masked(leaf, keep: bool):
-    """float32 zeros shaped like ``leaf`` where ``keep``, else ``optax.MaskedNode()``."""
-    return jnp.zeros(jnp.shape(leaf), jnp.float32) if keep else optax.MaskedNode()
+    """float32 zeros like ``leaf`` (its sharding too, under explicit axes) where
+    ``keep``, else ``optax.MaskedNode()``."""
+    return jnp.zeros_like(leaf, jnp.float32) if keep else optax.MaskedNode()
 
 
 def read_per_device(grads, field, axis_name, what: str, *, field_name: str) -> tuple[list, list]:

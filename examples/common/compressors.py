@@ -44,7 +44,7 @@ from jax import lax
 
 import qcollect as qc
 import transforms
-from common.config import COMPUTE_ONLY, PSUM_BF16
+from common.config import COMPUTE_ONLY, MODEL_AXIS_COMPRESSORS, PSUM_BF16
 
 
 class Communication(NamedTuple):
@@ -66,14 +66,15 @@ class Communication(NamedTuple):
     replicated: bool = True
 
 
-def pmean(axis_name) -> optax.GradientTransformation:
+def pmean(axis_name, block_specs=None) -> optax.GradientTransformation:
     """The uncompressed baseline: the mean of every gradient leaf, in buckets
     of 4 MiB (`qc.fused_psum`, as PyTorch DDP buckets gradients): the values
-    and bytes of ``lax.pmean``, one exchange per bucket instead of one per leaf."""
+    and bytes of ``lax.pmean``, one exchange per bucket instead of one per
+    leaf (per model block with ``block_specs``, `common.model_axes`)."""
 
     def update(grads, state, params=None):
         del params
-        return qc.fused_psum(grads, axis_name, mean=True), state
+        return qc.fused_psum(grads, axis_name, mean=True, block_specs=block_specs), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
@@ -107,13 +108,13 @@ def _compressed(compressor, cfg, axis_name, key, **kwargs) -> optax.GradientTran
                                             **kwargs)
 
 
-def pmean_bf16(axis_name) -> optax.GradientTransformation:
+def pmean_bf16(axis_name, block_specs=None) -> optax.GradientTransformation:
     """`pmean` of the gradients cast to bfloat16, cast back to their dtypes."""
 
     def update(grads, state, params=None):
         del params
         half = jax.tree.map(lambda g: g.astype(jnp.bfloat16), grads)
-        mean = qc.fused_psum(half, axis_name, mean=True)
+        mean = qc.fused_psum(half, axis_name, mean=True, block_specs=block_specs)
         return jax.tree.map(lambda m, g: m.astype(g.dtype), mean, grads), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
@@ -141,46 +142,53 @@ def uncompressed_first(steps: int, tx: optax.GradientTransformation,
     return optax.GradientTransformation(init, update)
 
 
-def communication(name: str, cfg, axis_name, key) -> Communication:
+def communication(name: str, cfg, axis_name, key, block_specs=None) -> Communication:
     """The `Communication` for compressor ``name`` with the settings of ``cfg``:
     with ``cfg.compress_after`` > 0, every compressor's all-reduce is the
     uncompressed mean for that many steps first (`uncompressed_first`).
 
     ``entropy`` returns a transformation for the worst-case payload size; the
     training loop replaces it with planned ones (`entropy_transform`).
+    ``block_specs``: on a ``(data, model)`` mesh, the parameters' model
+    specs (`common.model_axes`), taken by the names of
+    `common.config.MODEL_AXIS_COMPRESSORS`.
     """
-    comm = _communication(name, cfg, axis_name, key)
+    comm = _communication(name, cfg, axis_name, key, block_specs)
     if cfg.compress_after == 0 or name in ("none", COMPUTE_ONLY, PSUM_BF16):
         return comm
     if comm.entropy is not None or name == "gradiveq":
         raise ValueError(f"compress_after does not apply to {name}: the entropy compressor's "
                          "plans are made from the compressed steps, and GradiVeQ has its own "
                          "warm-up (gradiveq_warmup)")
-    return comm._replace(tx=uncompressed_first(cfg.compress_after, comm.tx,
-                                                           axis_name), phased=True)
+    return comm._replace(tx=uncompressed_first(cfg.compress_after, comm.tx, axis_name),
+                         phased=True)
 
 
-def _communication(name: str, cfg, axis_name, key) -> Communication:
+#: The names `transforms.compressed_all_reduce` runs with one compressor.
+_COMPRESSORS = {
+    "bf16": lambda cfg: qc.cast("bfloat16"),
+    "onebit": lambda cfg: qc.onebit(),
+    "onebit-column": lambda cfg: qc.onebit(grouping="column"),
+    "threshold": lambda cfg: qc.threshold(cfg.threshold_tau),
+    "adaptive": lambda cfg: qc.adaptive(cfg.adaptive_proportion,
+                                        sample=cfg.adaptive_sample or None),
+    **{f"qsgd-{b}": (lambda cfg, b=b: qc.qsgd(bits=b)) for b in (2, 4, 8)},
+}
+
+
+def _communication(name: str, cfg, axis_name, key, block_specs=None) -> Communication:
     if name == "none":
-        return Communication(pmean(axis_name))
+        return Communication(pmean(axis_name, block_specs))
     if name == COMPUTE_ONLY:
         return Communication(optax.identity(), replicated=False)
     if name == PSUM_BF16:
-        return Communication(pmean_bf16(axis_name))
-    if name == "bf16":
-        return Communication(_compressed(qc.cast("bfloat16"), cfg, axis_name, key))
-    if name == "onebit":
-        return Communication(_compressed(qc.onebit(), cfg, axis_name, key))
-    if name == "onebit-column":
-        return Communication(_compressed(qc.onebit(grouping="column"), cfg, axis_name, key))
-    if name == "threshold":
-        return Communication(_compressed(qc.threshold(cfg.threshold_tau), cfg, axis_name, key))
-    if name == "adaptive":
-        return Communication(_compressed(
-            qc.adaptive(cfg.adaptive_proportion, sample=cfg.adaptive_sample or None), cfg,
-            axis_name, key))
-    if name.startswith("qsgd-"):
-        return Communication(_compressed(qc.qsgd(bits=int(name[5:])), cfg, axis_name, key))
+        return Communication(pmean_bf16(axis_name, block_specs))
+    if name in _COMPRESSORS:
+        return Communication(_compressed(_COMPRESSORS[name](cfg), cfg, axis_name, key,
+                                         block_specs=block_specs))
+    if block_specs is not None:
+        raise ValueError(f"compressors: with model axes the all-reduce takes "
+                         f"{', '.join(MODEL_AXIS_COMPRESSORS)}, got {name!r}")
     if name == "entropy" or name.startswith("entropy-"):
         c = qc.entropy(floor=int(name[8:]) if name != "entropy" else cfg.entropy_floor,
                        block_size=cfg.entropy_block)

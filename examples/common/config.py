@@ -23,6 +23,10 @@ COMPUTE_ONLY = "local"
 # all-reduce; XLA:CPU sums and sends it as float32).
 PSUM_BF16 = "bf16-psum"
 REFERENCES = (COMPUTE_ONLY, PSUM_BF16)
+# What a (data, model) mesh takes (`common.model_axes`): the all-reduces that
+# compress each device's model block; the phased and planned ones do not.
+MODEL_AXIS_COMPRESSORS = ("none", "bf16", "onebit", "onebit-column", "threshold", "adaptive",
+                          "qsgd-2", "qsgd-4", "qsgd-8") + REFERENCES
 OPTIMIZERS = ("adagrad", "sgd", "momentum", "adam", "adamw")
 
 
@@ -78,6 +82,9 @@ class TrainConfig:
         (``none``, ``bf16``, ``int8``, ``int4``).
       fsdp_min_size: ``fsdp`` only: leaves with fewer values are replicated.
       fsdp_error_feedback: ``fsdp`` only: keep the gradients' residuals.
+      model_parallel: devices of a ``"model"`` axis that the compiler shards
+        (tensor parallelism, `common.model_axes`); above 1 the mesh is
+        ``(data, model)`` and the batch scales with the data axis only.
       progress: show a progress bar per run.
       checkpoint_dir: save each run's state with orbax into
         ``{checkpoint_dir}/{compressor}/step_<n>`` (the entropy quantizer's
@@ -126,6 +133,7 @@ class TrainConfig:
     weight_compressor: str = "none"
     fsdp_min_size: int = 16384
     fsdp_error_feedback: bool = True
+    model_parallel: int = 1
     progress: bool = True
     checkpoint_dir: str = ""
     checkpoint_every: int = 0
@@ -135,7 +143,7 @@ class TrainConfig:
         names = self.compressors
         unknown = [n for n in names if n not in COMPRESSOR_NAMES + ("all",) + REFERENCES
                    and not re.fullmatch(r"entropy-([1-9]|1[0-5])", n)]
-        if not names or unknown:
+        if (not names and not self.extra_runs) or unknown:
             raise ValueError(f"compressors must be names from {COMPRESSOR_NAMES}, "
                              f"'entropy-<floor c>', {', '.join(map(repr, REFERENCES))} or "
                              f"'all', got {unknown or names}")
@@ -166,6 +174,7 @@ class TrainConfig:
                              f"it needs optimizer adam or adamw and compress_after >= 1, got "
                              f"{self.optimizer!r} and {self.compress_after}")
         self._check_parallel()
+        self._check_model_parallel()
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume needs checkpoint_dir")
         if not 0 <= self.gradiveq_loss < 1:
@@ -187,6 +196,25 @@ class TrainConfig:
         if self.checkpoint_dir or self.compress_after or self.freeze_variance:
             raise ValueError("parallel 'fsdp' does not take checkpoint_dir, compress_after "
                              "or freeze_variance")
+
+    def _check_model_parallel(self) -> None:
+        if self.model_parallel < 1:
+            raise ValueError(f"model_parallel must be >= 1, got {self.model_parallel!r}")
+        if self.model_parallel == 1:
+            return
+        unknown = [n for n in self.compressor_names if n not in MODEL_AXIS_COMPRESSORS]
+        if unknown:
+            raise ValueError(f"compressors: with model_parallel > 1 the all-reduce takes "
+                             f"{', '.join(MODEL_AXIS_COMPRESSORS)}, got {', '.join(unknown)}")
+        if (tuple(self.mesh) != ("data",) or self.parallel != "replicated"
+                or self.checkpoint_dir or self.compress_after):
+            raise ValueError("model_parallel > 1 needs mesh 'data' and parallel 'replicated', "
+                             "and does not take checkpoint_dir or compress_after")
+
+    @property
+    def extra_runs(self) -> tuple[str, ...]:
+        """Runs an example adds after those of ``compressors`` (none here)."""
+        return ()
 
     @property
     def compressor_names(self) -> tuple[str, ...]:

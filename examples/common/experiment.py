@@ -49,7 +49,7 @@ def prepare(cfg, build_model, image_shape, data=None, mesh=None):
       build_model: ``cfg -> nnx.Module``.
       image_shape: the model's input shape, e.g. ``(784,)`` or ``(28, 28, 1)``.
       data: an `MNIST` (default: `load_mnist` of ``cfg.data_dir``).
-      mesh: the data-parallel mesh (default: `data_mesh` of ``cfg``).
+      mesh: the mesh (default: `mesh_of` ``cfg``).
 
     Returns:
       ``(dp, data)``: a `DataParallel` (`data_parallel`) and the data the runs train on.
@@ -58,13 +58,28 @@ def prepare(cfg, build_model, image_shape, data=None, mesh=None):
         data = load_mnist(cfg.data_dir or None)
     data = data.take(cfg.train_examples or None, cfg.test_examples or None)
     data = with_image_shape(data, image_shape)
-    mesh = data_mesh(cfg.mesh, cfg.nodes) if mesh is None else mesh
+    mesh = mesh_of(cfg) if mesh is None else mesh
     return data_parallel(cfg, build_model(cfg), mesh), data
 
 
+def mesh_of(cfg):
+    """The mesh of ``cfg``: `common.devices.data_mesh` of ``cfg.mesh``, or with
+    ``cfg.model_parallel > 1`` a ``(data, model)`` mesh (`common.model_axes`)."""
+    if cfg.model_parallel > 1:
+        from common.model_axes import model_mesh
+
+        return model_mesh(cfg.model_parallel)
+    return data_mesh(cfg.mesh, cfg.nodes)
+
+
 def data_parallel(cfg, model, mesh) -> DataParallel:
-    """``model`` on ``mesh`` as ``cfg.parallel`` says: replicated parameters, or
-    sharded (`common.fsdp.ShardedDataParallel`)."""
+    """``model`` on ``mesh`` as ``cfg`` says: replicated parameters, sharded
+    (``parallel`` fsdp: `common.fsdp.ShardedDataParallel`), or model-sharded
+    over a model axis (``model_parallel`` > 1: `common.model_axes.DataModelParallel`)."""
+    if cfg.model_parallel > 1:
+        from common.model_axes import DataModelParallel
+
+        return DataModelParallel(model, mesh)
     if cfg.parallel == "fsdp":
         from common.fsdp import ShardedDataParallel
 
@@ -78,7 +93,7 @@ def describe(dp: DataParallel, data, cfg, title: str) -> str:
     """One line: parameters, devices, mesh, platform, training images, global batch."""
     params = sum(x.size for x in jax.tree.leaves(dp.params))
     shape = " x ".join(f"{size} {name}" for name, size in dp.mesh.shape.items())
-    return (f"{title}: {params:,} parameters, {dp.num_devices} devices ({shape}, "
+    return (f"{title}: {params:,} parameters, {dp.mesh.size} devices ({shape}, "
             f"{jax.devices()[0].platform}), {len(data.x_train):,} training images "
             f"({data.source}), global batch {cfg.batch_size * dp.num_devices}")
 

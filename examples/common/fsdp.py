@@ -134,12 +134,6 @@ class ShardedDataParallel(DataParallel):
         """The whole parameters, replicated on every device (for evaluation)."""
         return jax.jit(lambda p: p, out_shardings=NamedSharding(self.mesh, P()))(params)
 
-    def accuracy(self, params, x, y, batch: int = 2000) -> float:
-        return super().accuracy(self.full(params), x, y, batch)
-
-    def mean_loss(self, params, x, y, batch: int = 64) -> float:
-        return super().mean_loss(self.full(params), x, y, batch)
-
     def memory(self, params, opt_state) -> dict:
         """Bytes held by one device: parameters, optimizer state, residuals,
         and ``ideal``: the whole parameters and optimizer state over N."""

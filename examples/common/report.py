@@ -29,6 +29,42 @@ def across_nodes(result) -> int | None:
     return qc.bytes_along(split, "node")
 
 
+def axis_table(results) -> str | None:
+    """Bytes per step and device on each mesh axis (``RunResult.wire_bytes_by_axis``)
+    and the data axis's ratio to the ``none`` run's; None on a one-axis mesh.
+
+    On a ``(data, model)`` mesh the model axis carries the model's own
+    collectives (the compiler's, for the sharded matmuls) and the data axis
+    the gradients' all-reduce.
+
+    Example:
+      >>> from common.train import RunResult
+      >>> runs = [RunResult("none", [], [], [], 0, 0, 0.0, 0.0), RunResult(
+      ...     "qsgd-4", [], [], [], 0, 0, 0.0, 0.0)]
+      >>> runs[0].wire_bytes_by_axis = {"data": 800, "model": 50}
+      >>> runs[1].wire_bytes_by_axis = {"data": 100, "model": 50}
+      >>> print(axis_table(runs))
+      | compressor | data | model | data vs none |
+      |---|---|---|---|
+      | none | 800 | 50 | 1.0x |
+      | qsgd-4 | 100 | 50 | 8.0x |
+    """
+    axes = sorted({a for r in results for a in r.wire_bytes_by_axis},
+                  key=lambda a: (a != "data", a))
+    if len(axes) < 2:
+        return None
+    base = next((r.wire_bytes_by_axis.get("data") for r in results if r.name == BASELINE),
+                None)
+    rows = ["| compressor | " + " | ".join(axes) + " | data vs none |",
+            "|---" * (len(axes) + 2) + "|"]
+    for r in results:
+        data = r.wire_bytes_by_axis.get("data", 0)
+        vs = f"{base / data:.1f}x" if base and data else "-"
+        rows.append(f"| {r.name} | " + " | ".join(f"{r.wire_bytes_by_axis.get(a, 0):,}"
+                                                 for a in axes) + f" | {vs} |")
+    return "\n".join(rows)
+
+
 def accuracy_column(result) -> str:
     """The MNIST tables' metric: the final test accuracy in percent."""
     return f"{100 * result.final_accuracy:.2f}%"
@@ -89,6 +125,8 @@ def save(results, baseline_bytes, cfg, out_dir, stem: str, title: str) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     text = table(results, baseline_bytes,
                  baseline="uncompressed FSDP" if cfg.parallel == "fsdp" else "pmean")
+    if cfg.model_parallel > 1:
+        text += "\n\nBytes per step and device by mesh axis:\n\n" + axis_table(results)
     (out / f"{stem}.md").write_text(text + "\n")
     record = {"config": dataclasses.asdict(cfg), "baseline_wire_bytes": baseline_bytes,
               "runs": [dataclasses.asdict(r) for r in results]}

@@ -82,6 +82,8 @@ class RunResult:
         leaves' all-reduce.
       memory: bytes one device holds after the run (`DataParallel.memory`).
       step_seconds: median wall time of a step (compiles excluded).
+      mean_step_seconds: their mean (the rate of runs whose steps differ:
+        DiLoCo's inner steps and its synchronising ones).
       total_seconds: the whole run, compiles and evaluations included.
       compiles: step programs compiled (more than one with entropy plans).
     """
@@ -98,6 +100,7 @@ class RunResult:
     wire_bytes_by_axis: dict = dataclasses.field(default_factory=dict)
     wire_bytes_by_op: dict = dataclasses.field(default_factory=dict)
     memory: dict = dataclasses.field(default_factory=dict)
+    mean_step_seconds: float = float("nan")
 
     @property
     def final_accuracy(self) -> float:
@@ -168,14 +171,18 @@ class DataParallel:
         """Per device (inside the mapped function): loss and gradients."""
         return jax.value_and_grad(self.loss)(params, x, y)
 
-    def shard_map(self, body, state_specs, out_specs, *, replicated: bool = True):
-        """``jit(shard_map(body))`` of ``(params, opt_state, x, y)``: params
-        replicated, the state by ``state_specs``, the batch split over the mesh.
+    def manual(self, body, in_specs, out_specs, *, replicated: bool = True):
+        """``jit(shard_map(body))`` over the data axes of the mesh.
         ``replicated=False`` turns off shard_map's check that the ``P()``
         outputs are the same on every device (each device keeps its own)."""
-        return jax.jit(jax.shard_map(body, mesh=self.mesh,
-                                     in_specs=(P(), state_specs, P(self.axis), P(self.axis)),
+        return jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=in_specs,
                                      out_specs=out_specs, check_vma=replicated))
+
+    def shard_map(self, body, state_specs, out_specs, *, replicated: bool = True):
+        """`manual` of ``(params, opt_state, x, y)``: params replicated, the
+        state by ``state_specs``, the batch split over the data axes."""
+        return self.manual(body, (P(), state_specs, P(self.axis), P(self.axis)), out_specs,
+                           replicated=replicated)
 
     def step(self, tx: optax.GradientTransformation, opt_state, *, replicated: bool = True):
         """``step(params, opt_state, x, y) -> (params, opt_state, losses, finite)``.
@@ -203,6 +210,11 @@ class DataParallel:
         """The gradient all-reduce of compressor ``name`` (`common.compressors`)."""
         return communication(name, cfg, self.axis, key)
 
+    def transformation(self, comm: Communication,
+                       optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
+        """The step's transformation: the all-reduce, then the optimizer."""
+        return optax.chain(comm.tx, optimizer)
+
     def uncompressed(self) -> DataParallel:
         """The same model and mesh with nothing compressed but the gradients
         (whose compressor each run names): itself."""
@@ -211,6 +223,10 @@ class DataParallel:
     def place(self, params):
         """The parameters on the mesh: replicated."""
         return self.replicate(params)
+
+    def full(self, params):
+        """The whole parameters on every device (for evaluation): as placed."""
+        return params
 
     def memory(self, params, opt_state) -> dict:
         """Bytes held by one device: parameters and optimizer state (its
@@ -241,16 +257,16 @@ class DataParallel:
                      for a in (x, y))
 
     def accuracy(self, params, x, y, batch: int = 2000) -> float:
-        """Test accuracy of the (replicated) parameters, on one local device."""
-        p = _local(params)
+        """Test accuracy of the parameters (`full`), on one local device."""
+        p = _local(self.full(params))
         hits = sum(int(_hits(self.graphdef, p, x[i:i + batch], y[i:i + batch]))
                    for i in range(0, len(x), batch))
         return hits / max(len(x), 1)
 
     def mean_loss(self, params, x, y, batch: int = 64) -> float:
-        """Mean cross-entropy (nats) of the (replicated) parameters over every
+        """Mean cross-entropy (nats) of the parameters (`full`) over every
         target of ``y``, on one local device, ``batch`` rows at a time."""
-        p = _local(params)
+        p = _local(self.full(params))
         total = sum(float(_loss_sum(self.graphdef, p, x[i:i + batch], y[i:i + batch]))
                     for i in range(0, len(x), batch))
         return total / max(y.size, 1)
@@ -303,7 +319,7 @@ def train(dp: DataParallel, name: str, cfg, data, *, progress=None,
     key = jax.random.key(cfg.seed)
     comm: Communication = dp.communication(name, cfg, key)
     optimizer = make_optimizer(cfg) if optimizer is None else optimizer
-    tx = optax.chain(comm.tx, optimizer)
+    tx = dp.transformation(comm, optimizer)
     planner = (entropy_plan.Planner(dp, comm.entropy, cfg, dp.axis, key, optimizer)
                if comm.entropy is not None else None)
     params = dp.place(dp.params)
@@ -377,6 +393,7 @@ def train(dp: DataParallel, name: str, cfg, data, *, progress=None,
     result.memory = dp.memory(params, opt_state)
     result.compiles = len(compiled)
     result.step_seconds = statistics.median(times) if times else float("nan")
+    result.mean_step_seconds = statistics.fmean(times) if times else float("nan")
     result.total_seconds = time.perf_counter() - start
     return result
 

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
 import transforms
-from common.compressors import communication, compressed_leaves, gradiveq_transform
+from common.compressors import compressed_leaves, gradiveq_transform
 from common.config import COMPUTE_ONLY
 
 
@@ -51,22 +51,21 @@ def update_bytes(dp, tx, tree, branches: str = "max") -> int:
     ``tree`` on ``dp``'s mesh (compiled, never run; 0 for an empty tree).
 
     Args:
-      dp: a `common.train.DataParallel` (its mesh and data axis).
+      dp: a `common.train.DataParallel` (its mesh, data axis and placement).
       tx: a gradient all-reduce, e.g. `Communication.tx`.
       tree: arrays shaped like the gradients.
       branches: ``"max"`` or ``"min"``, the phase of a conditional to count.
     """
     if not jax.tree.leaves(tree):
         return 0
-    grads = dp.replicate(tree)
+    grads = dp.place(tree)
     state = dp.init(tx, grads)
     specs = transforms.state_specs(state, dp.axis)
 
     def body(g, s):
         return tx.update(lax.pcast(g, dp.axis, to="varying"), s)
 
-    fn = jax.jit(jax.shard_map(body, mesh=dp.mesh, in_specs=(P(), specs),
-                               out_specs=(P(), specs)))
+    fn = dp.manual(body, (P(), specs), (P(), specs))
     return qc.wire_bytes(fn, grads, state, branches=branches)
 
 
@@ -81,7 +80,7 @@ def wire_split(dp, name: str, cfg, total: int) -> tuple[int, int]:
       total: the step's measured bytes (`RunResult.wire_bytes`); used only for
         the entropy quantizer.
     """
-    comm = communication(name, cfg, dp.axis, jax.random.key(cfg.seed))
+    comm = dp.communication(name, cfg, jax.random.key(cfg.seed))
     if not comm.replicated:  # ``local`` reduces nothing: its measured step is all there is
         return 0, total
     keep = compressed_leaves(name, cfg, dp.params)

@@ -31,6 +31,17 @@ class Config(TrainConfig):
       link_mbit: the rate of each process's link in Mbit/s, for the table's
         wire floor (``8 * wire bytes / rate``: no step's all-reduce is
         faster on that link); 0: no such column.
+      diloco_every: H > 0 adds a DiLoCo run (`common.diloco`,
+        `transforms.diloco`) per name of ``outer_compressor``, after the
+        synchronous runs of ``compressors`` (which may then be empty): H
+        inner AdamW steps per worker, then an outer step.
+      outer_compressor: the outer gradients' all-reduce of each DiLoCo run
+        (`common.diloco.OUTER_COMPRESSORS`; ``none``: exact float32).
+      fragments: Streaming DiLoCo's fragments F, synchronised in turn.
+      diloco_delay: inner steps between a fragment's exchange and its
+        application (tau, mixed half and half with the local values).
+      outer_lr / outer_momentum: the outer SGD's step and Nesterov momentum
+        (the paper's 0.7 and 0.9; momentum 0: plain SGD).
     """
 
     compressors: tuple[str, ...] = ("none", "qsgd-4", "onebit", "powersgd", "gradiveq")
@@ -50,9 +61,21 @@ class Config(TrainConfig):
     val_windows: int = 256
     corpus_dir: str = ""
     link_mbit: float = 0.0
+    diloco_every: int = 0
+    outer_compressor: tuple[str, ...] = ("none",)
+    fragments: int = 1
+    diloco_delay: int = 0
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+
+    @property
+    def extra_runs(self) -> tuple[str, ...]:
+        """The DiLoCo runs' outer compressors (none without ``diloco_every``)."""
+        return self.outer_compressor if self.diloco_every else ()
 
     def __post_init__(self):
         super().__post_init__()
+        self._check_diloco()
         if self.link_mbit < 0:
             raise ValueError(f"link_mbit must be >= 0, got {self.link_mbit!r}")
         for name in ("width", "depth", "heads", "context", "val_windows"):
@@ -68,3 +91,28 @@ class Config(TrainConfig):
             if getattr(self, name):
                 raise ValueError(f"{name} is an MNIST setting; the language model trains on "
                                  "windows of its corpus (--corpus-dir, --val-windows)")
+
+    def _check_diloco(self) -> None:
+        if self.diloco_every < 0:
+            raise ValueError(f"diloco_every must be >= 0, got {self.diloco_every!r}")
+        if not self.diloco_every:
+            return
+        from common.diloco import OUTER_COMPRESSORS
+
+        unknown = [n for n in self.outer_compressor if n not in OUTER_COMPRESSORS]
+        if unknown or not self.outer_compressor:
+            raise ValueError(f"outer_compressor must be names from {', '.join(OUTER_COMPRESSORS)}"
+                             f", got {unknown or self.outer_compressor}")
+        if not 1 <= self.fragments <= self.diloco_every:
+            raise ValueError(f"fragments must be in [1, diloco_every], got {self.fragments}")
+        if self.diloco_delay and not 0 < self.diloco_delay < self.diloco_every // self.fragments:
+            raise ValueError(f"diloco_delay must be in [0, diloco_every // fragments), got "
+                             f"{self.diloco_delay}")
+        if not self.outer_lr > 0 or not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"outer_lr must be > 0 and outer_momentum in [0, 1), got "
+                             f"{self.outer_lr} and {self.outer_momentum}")
+        if (tuple(self.mesh) != ("data",) or self.parallel != "replicated"
+                or self.model_parallel > 1 or self.checkpoint_dir or self.compress_after):
+            raise ValueError("diloco_every needs mesh 'data', parallel 'replicated' and "
+                             "model_parallel 1, and does not take checkpoint_dir or "
+                             "compress_after")

@@ -6,6 +6,8 @@
     python examples/lm/main.py --checkpoint-dir ckpt --checkpoint-every 100
     python examples/lm/main.py --checkpoint-dir ckpt --resume true   # continue
     python examples/lm/main.py --parallel fsdp --weight-compressor int8 --compressors none,qsgd-4
+    python examples/lm/main.py --model-parallel 2 --compressors none,qsgd-4   # (data, model) mesh
+    python examples/lm/main.py --compressors none --diloco-every 50 --outer-compressor none,qsgd-4
     python examples/lm/main.py --help
 
 On a CPU machine the devices are simulated (4 by default; set
@@ -29,10 +31,15 @@ simulate_cpu_devices(default=4)
 import jax  # noqa: E402
 import optax  # noqa: E402
 from common.config import parse_config  # noqa: E402
-from common.devices import data_mesh  # noqa: E402
-from common.experiment import baseline_bytes, data_parallel, train_each  # noqa: E402
+from common.experiment import (  # noqa: E402
+    baseline_bytes,
+    data_parallel,
+    mesh_of,
+    progress_bar,
+    train_each,
+)
 from common.text import NextBytes, load_stdlib  # noqa: E402
-from common.train import DataParallel, make_optimizer, run_length  # noqa: E402
+from common.train import DataParallel, make_optimizer, run_length, train  # noqa: E402
 from common.wire_split import phase_bytes, wire_split  # noqa: E402
 
 import transforms  # noqa: E402
@@ -63,7 +70,7 @@ def describe(dp: DataParallel, corpus: dict, cfg, title: str) -> str:
     """One line: parameters, devices, mesh, platform, training bytes, global batch."""
     params = sum(x.size for x in jax.tree.leaves(dp.params))
     shape = " x ".join(f"{size} {name}" for name, size in dp.mesh.shape.items())
-    return (f"{title}: {params:,} parameters, {dp.num_devices} devices ({shape}, "
+    return (f"{title}: {params:,} parameters, {dp.mesh.size} devices ({shape}, "
             f"{jax.devices()[0].platform}), {corpus['train_bytes']:,} training bytes ("
             f"in {corpus['train_files']} .py files: {corpus['source']}), global batch "
             f"{cfg.batch_size * dp.num_devices} x {cfg.context} bytes")
@@ -81,13 +88,14 @@ def run(cfg: Config, corpus=None):
     """
     corpus = load_stdlib(cfg.corpus_dir or None) if corpus is None else corpus
     task = NextBytes(corpus, cfg.context, cfg.val_windows)
-    mesh = data_mesh(cfg.mesh, cfg.nodes)
+    mesh = mesh_of(cfg)
     fsdp = cfg.parallel == "fsdp"
     dp = data_parallel(cfg, build(cfg), mesh)
     optimizer = make_lm_optimizer(cfg, run_length(cfg, task.train_size, dp.num_devices),
                                   dp.axis if fsdp else None)
     title = f"Byte-level GPT {cfg.depth}x{cfg.width}" + (
-        f", FSDP (weights {cfg.weight_compressor})" if fsdp else "")
+        f", FSDP (weights {cfg.weight_compressor})" if fsdp else "") + (
+        f", model axis of {cfg.model_parallel}" if cfg.model_parallel > 1 else "")
     lead = jax.process_index() == 0
     if lead:
         print(describe(dp, corpus.describe(), cfg, title), flush=True)
@@ -98,14 +106,42 @@ def run(cfg: Config, corpus=None):
     else:
         splits = {r.name: wire_split(dp, r.name, cfg, r.wire_bytes) for r in results}
         phases = {r.name: phase_bytes(dp, r.name, cfg, r) for r in results}
+    for r, ddp in diloco_runs(cfg, mesh, task, lead, optimizer):
+        results.append(r)  # the split of one whole-model exchange, over H
+        whole = wire_split(ddp.replicated, r.name.removeprefix("diloco-"), cfg, 0)
+        splits[r.name] = tuple(round(b / cfg.diloco_every) for b in whole)
+        phases[r.name] = {"steady": r.wire_bytes}
     base = baseline_bytes(results, dp, cfg, task, optimizer)
     if lead:
-        stem = "lm_fsdp" if fsdp else "lm"
+        stem = ("lm_fsdp" if fsdp else "lm_model" if cfg.model_parallel > 1
+                else "lm_diloco" if cfg.diloco_every else "lm")
+        tokens = cfg.batch_size * dp.num_devices * cfg.context if cfg.diloco_every else 0
         files = report.save(results, splits, phases, base, cfg, corpus.describe(),
-                            cfg.output_dir, stem, title)
+                            cfg.output_dir, stem, title, tokens)
         print(files["table"].read_text(), end="")
         print(f"wrote {files['table']}, {files['json']} and {files['plot']}")
     return results
+
+
+def diloco_runs(cfg: Config, mesh, task, lead: bool, optimizer) -> list:
+    """``(result, its DiLoCoParallel)`` of one DiLoCo run per name of
+    ``cfg.extra_runs`` (`common.diloco`), named ``diloco-<name>``; its
+    ``wire_bytes`` are a round's bytes over H (the mean per step),
+    ``wire_bytes_max`` a synchronising step's."""
+    if not cfg.extra_runs:
+        return []
+    from common.diloco import DiLoCoParallel
+
+    ddp = DiLoCoParallel(build(cfg), mesh, cfg)
+    bar = progress_bar if cfg.progress and lead else None
+    out = []
+    for name in cfg.extra_runs:
+        r = train(ddp, name, cfg, task, progress=bar, optimizer=optimizer)
+        per_round = ddp.round_bytes(name, jax.random.key(cfg.seed))
+        r.name = f"diloco-{name}"
+        r.wire_bytes = round(per_round / cfg.diloco_every)
+        out.append((r, ddp))
+    return out
 
 
 def main(argv=None):

@@ -71,6 +71,21 @@ class GPT(nnx.Module):
         self.head = (None if tie_embeddings else
                      nnx.Linear(width, VOCAB, use_bias=False, kernel_init=_INIT, rngs=rngs))
 
+    @staticmethod
+    def tensor_parallel(names: tuple) -> str | None:
+        """Megatron-LM's split over a model axis (Shoeybi et al. 2019, section
+        3; `common.model_axes`): the attention's ``qkv`` and the MLP's ``up``
+        are column layers, ``proj`` and ``down`` row layers; embeddings and
+        LayerNorms are replicated. ``names``: a layer's path names, e.g.
+        ``("blocks", 0, "up")``.
+
+        Example:
+          >>> GPT.tensor_parallel(("blocks", 1, "down")), GPT.tensor_parallel(("ln",))
+          ('row', None)
+        """
+        return {"qkv": "column", "up": "column", "proj": "row", "down": "row"}.get(
+            names[-1] if names else None)
+
     def __call__(self, x):
         h = self.tokens(x) + self.positions(jnp.arange(x.shape[-1]))
         for block in self.blocks:

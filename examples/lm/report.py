@@ -90,10 +90,12 @@ def _smaller(base: float, other: float) -> str:
 
 
 def table(results, splits: dict, baseline_bytes: int | None, link_mbit: float = 0.0,
-          baseline: str = "pmean") -> str:
+          baseline: str = "pmean", tokens_per_step: int = 0) -> str:
     """`common.report.table` with validation bits per byte and the split columns;
     with ``link_mbit``, each step's wire floor on that link; with a ``local``
-    run, each step's time beyond compute and its ratio to ``none``'s.
+    run, each step's time beyond compute and its ratio to ``none``'s; with
+    ``tokens_per_step``, bytes sent per token (of the mean step) and tokens
+    per second (of the mean step time: DiLoCo's steps differ).
 
     Example:
       >>> from common.train import RunResult
@@ -110,6 +112,9 @@ def table(results, splits: dict, baseline_bytes: int | None, link_mbit: float = 
     if link_mbit:
         extra.append(("wire floor (ms)",
                       lambda r: f"{8e3 * r.wire_bytes / (link_mbit * 1e6):.1f}"))
+    if tokens_per_step:
+        extra.append(("bytes / token", lambda r: f"{r.wire_bytes / tokens_per_step:.3f}"))
+        extra.append(("tokens / s", lambda r: f"{tokens_per_step / r.mean_step_seconds:,.0f}"))
     beyond = beyond_compute(results)
     if beyond is not None:
         base = beyond.get(report.BASELINE)
@@ -193,7 +198,7 @@ def plot(results, phases: dict, cfg, path, title: str):
 
 
 def save(results, splits: dict, phases: dict, baseline_bytes, cfg, corpus: dict, out_dir,
-         stem: str, title: str) -> dict:
+         stem: str, title: str, tokens_per_step: int = 0) -> dict:
     """Writes ``stem.md`` (table), ``stem.json`` (everything) and ``stem.png``.
 
     ``splits`` and ``phases`` map each run's name to its
@@ -203,9 +208,11 @@ def save(results, splits: dict, phases: dict, baseline_bytes, cfg, corpus: dict,
     out.mkdir(parents=True, exist_ok=True)
     fsdp = cfg.parallel == "fsdp"
     text = table(results, splits, baseline_bytes, cfg.link_mbit,
-                 "uncompressed FSDP" if fsdp else "pmean")
+                 "uncompressed FSDP" if fsdp else "pmean", tokens_per_step)
     if fsdp:
         text += "\n\n" + fsdp_table(results, baseline_bytes)
+    if cfg.model_parallel > 1:
+        text += "\n\nBytes per step and device by mesh axis:\n\n" + report.axis_table(results)
     (out / f"{stem}.md").write_text(text + "\n")
     doc = {"config": dataclasses.asdict(cfg), "corpus": corpus,
            "baseline_wire_bytes": baseline_bytes,

@@ -25,6 +25,20 @@ class MLP(nnx.Module):
                                 for a, b in zip(sizes[:-1], sizes[1:], strict=True)])
         self.out = nnx.Linear(sizes[-1], classes, rngs=rngs)
 
+    def tensor_parallel(self, names: tuple) -> str | None:
+        """The layers' split over a model axis (Megatron-LM's MLP, Shoeybi et
+        al. 2019, section 3; `common.model_axes`): column and row layers in
+        turn, so that each row layer sums what the column layer before it
+        split. ``names``: a layer's path names, ``("hidden", i)`` or ``("out",)``.
+
+        Example:
+          >>> mlp = MLP(width=32, depth=3, rngs=nnx.Rngs(0))
+          >>> [mlp.tensor_parallel(("hidden", i)) for i in range(3)], mlp.tensor_parallel(("out",))
+          (['column', 'row', 'column'], 'row')
+        """
+        index = names[1] if names[:1] == ("hidden",) else len(self.hidden)
+        return "column" if index % 2 == 0 else "row"
+
     def __call__(self, x):
         for layer in self.hidden:
             x = nnx.relu(layer(x))

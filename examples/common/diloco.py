@@ -1,0 +1,111 @@
+"""DiLoCo in the examples' training loop: one replica per device, an outer step every H.
+
+`DiLoCoParallel` is a `common.train.DataParallel` whose parameters are per
+device (each worker's replica, stacked ``(N, ...)`` and sharded
+``P("data")``) and whose transformation is `transforms.diloco`: the run's
+optimizer is the inner optimizer, and the gradient all-reduce of the run's
+compressor name (`common.compressors.communication`: ``none`` is the exact
+float32 mean, ``qsgd-4`` four bits with error feedback, ...) averages the
+outer gradients. Evaluation uses the replicas' mean, which at the end of a
+round without fragments is the global model itself.
+
+Bytes: only synchronising steps send; `round_bytes` measures what one round
+sends (each fragment's all-reduce compiled alone) and a run's
+``wire_bytes`` is that over H, the mean per step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import transforms
+from common.compressors import Communication
+from common.train import DataParallel
+from common.wire_split import part, update_bytes
+
+#: What the outer gradients may go through: the all-reduces of one phase.
+OUTER_COMPRESSORS = ("none", "bf16", "onebit", "qsgd-2", "qsgd-4", "qsgd-8", "threshold",
+                     "adaptive")
+
+
+class DiLoCoParallel(DataParallel):
+    """Replicas per device trained with `transforms.diloco` (module docstring).
+
+    Args:
+      model / mesh: as for `DataParallel` (one ``"data"`` axis).
+      cfg: the run's config: ``diloco_every`` (H), ``fragments``,
+        ``diloco_delay``, ``outer_lr`` and ``outer_momentum`` (Nesterov;
+        0: plain SGD, SparseLoCo's).
+    """
+
+    def __init__(self, model, mesh, cfg):
+        super().__init__(model, mesh)
+        self.cfg = cfg
+        self.replicated = DataParallel(model, mesh)  # to measure the all-reduces alone
+
+    def communication(self, name: str, cfg, key) -> Communication:
+        """The outer gradients' all-reduce of ``name``; phased: inner steps send nothing."""
+        if name not in OUTER_COMPRESSORS:
+            raise ValueError(f"outer_compressor must be one of {', '.join(OUTER_COMPRESSORS)}, "
+                             f"got {name!r}")
+        return super().communication(name, cfg, key)._replace(phased=True)
+
+    def outer(self) -> optax.GradientTransformation:
+        momentum = self.cfg.outer_momentum
+        return optax.sgd(self.cfg.outer_lr, momentum=momentum or None, nesterov=momentum > 0)
+
+    def transformation(self, comm: Communication, optimizer) -> optax.GradientTransformation:
+        return transforms.diloco(self.axis, inner=optimizer, every=self.cfg.diloco_every,
+                                 outer=self.outer(), reduce=comm.tx,
+                                 fragments=self.cfg.fragments, delay=self.cfg.diloco_delay)
+
+    def place(self, params):
+        """One replica per device: ``(N, ...)`` on ``P("data")``."""
+        sharding = NamedSharding(self.mesh, P(self.axis))
+
+        def place(leaf):
+            host = np.asarray(leaf)  # every process passes the same values
+            shape = (self.num_devices,) + host.shape
+            return jax.make_array_from_callback(
+                shape, sharding, lambda index: np.broadcast_to(host, shape)[index])
+
+        return jax.tree.map(place, params)
+
+    def init(self, tx: optax.GradientTransformation, params):
+        return transforms.init_sharded(tx, self.params, self.mesh, self.axis)
+
+    def step(self, tx: optax.GradientTransformation, opt_state, *, replicated: bool = True):
+        """``step(replicas, state, x, y) -> (replicas, state, losses, finite)``,
+        ``finite`` per device (each replica's own)."""
+        specs = transforms.state_specs(opt_state, self.axis)
+        axis = self.axis
+
+        def body(replicas, state, x, y):
+            params = jax.tree.map(lambda a: a[0], replicas)
+            loss, grads = self.grads(params, x, y)
+            updates, state = tx.update(grads, state, params)
+            params = optax.apply_updates(params, updates)
+            finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(v))
+                                        for v in jax.tree.leaves(params)]))
+            return jax.tree.map(lambda a: a[None], params), state, loss[None], finite[None]
+
+        return self.manual(body, (P(axis), specs, P(axis), P(axis)),
+                           (P(axis), specs, P(axis), P(axis)))
+
+    def full(self, params):
+        """The replicas' mean, replicated (for evaluation)."""
+        return jax.jit(lambda p: jax.tree.map(lambda a: a.mean(0), p),
+                       out_shardings=NamedSharding(self.mesh, P()))(params)
+
+    def round_bytes(self, name: str, key) -> int:
+        """Bytes per device of one round: each fragment's all-reduce of its
+        leaves, compiled alone on a replicated-parameter `DataParallel`."""
+        comm = self.replicated.communication(name, self.cfg, key)
+        masks = transforms.fragment_masks(self.params, self.cfg.fragments)
+        return sum(update_bytes(self.replicated, comm.tx, part(self.params, mask))
+                   for mask in masks)
