@@ -104,7 +104,7 @@ def over_blocks(run: Callable, x, block_specs, *shared, like_x=(), out_specs: Ca
 
     whole = [i for i, s in enumerate(spec_list) if not _axes_of(s)]
     blocked = [i for i, s in enumerate(spec_list) if _axes_of(s)]
-    found = {}
+    found: dict = {}
     if whole:
         found |= _by_slot(run(*pick(whole), *shared), whole, out_specs)
     sharded = [spec_list[i] for i in blocked]

@@ -134,7 +134,8 @@ def _balanced_runs(sizes: list[int], parts: int) -> list[list[int]]:
     """``sizes`` cut into ``parts`` non-empty contiguous runs, the largest run
     as small as it can be (binary search on the cap, greedy runs)."""
     def greedy(cap: int) -> list[list[int]]:
-        runs, total = [[]], 0
+        runs: list[list[int]] = [[]]
+        total = 0
         for i, size in enumerate(sizes):
             if runs[-1] and total + size > cap:
                 runs.append([])
