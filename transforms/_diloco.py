@@ -324,6 +324,15 @@ def _update(grads, state: DiLoCoState, params=None, *, s: _Settings):
     return out, shared._replace(inner=new_inner, count=optax.safe_int32_increment(state.count))
 
 
+def _moved_to(values, mask, local, params, updates, axis_name):
+    """The update that takes the fragment's leaves to ``values`` and the
+    others to ``local`` (their inner step), both float32."""
+    moved = _merge(local, values, mask)
+    out = jax.tree.map(lambda m, p, u: (m - p.astype(jnp.float32)).astype(u.dtype),
+                       moved, params, updates)
+    return to_varying(out, axis_name)
+
+
 def _sync(st: DiLoCoState, *, f: int, mask, local, params, updates, s: _Settings):
     """Fragment ``f``'s outer step: average ``anchor - local`` over the
     workers, step the anchor with the outer optimizer, and move the worker
@@ -342,20 +351,15 @@ def _sync(st: DiLoCoState, *, f: int, mask, local, params, updates, s: _Settings
     if s.delay:
         st = st._replace(pending=_merge(st.pending, new_f, mask), reduce=reduce, outer=outer)
         return to_varying(updates, s.axis_name), st
-    moved = _merge(local, new_f, mask)
-    out = jax.tree.map(lambda m, p, u: (m - p.astype(jnp.float32)).astype(u.dtype),
-                       moved, params, updates)
     st = st._replace(anchor=_merge(st.anchor, new_f, mask), reduce=reduce, outer=outer)
-    return to_varying(out, s.axis_name), st
+    return _moved_to(new_f, mask, local, params, updates, s.axis_name), st
 
 
 def _apply_pending(st: DiLoCoState, *, mask, local, params, updates, s: _Settings):
     """A delayed fragment lands: ``mix * local + (1 - mix) * global``, and the
     global values become the fragment's anchor."""
     pending = _part(st.pending, mask)
-    merged = jax.tree.map(lambda x, g: s.mix * x + (1 - s.mix) * g, _part(local, mask),
-                          pending)
-    moved = _merge(local, merged, mask)
-    out = jax.tree.map(lambda m, p, u: (m - p.astype(jnp.float32)).astype(u.dtype),
-                       moved, params, updates)
-    return to_varying(out, s.axis_name), st._replace(anchor=_merge(st.anchor, pending, mask))
+    merged = jax.tree.map(lambda x, g: s.mix * x + (1 - s.mix) * g,
+                          _part(local, mask), pending)
+    return (_moved_to(merged, mask, local, params, updates, s.axis_name),
+            st._replace(anchor=_merge(st.anchor, pending, mask)))

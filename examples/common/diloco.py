@@ -17,7 +17,6 @@ sends (each fragment's all-reduce compiled alone) and a run's
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
@@ -25,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import transforms
 from common.compressors import Communication
-from common.train import DataParallel
+from common.train import DataParallel, all_finite, on_every_device
 from common.wire_split import part, update_bytes
 
 #: What the outer gradients may go through: the all-reduces of one phase.
@@ -90,17 +89,15 @@ class DiLoCoParallel(DataParallel):
             loss, grads = self.grads(params, x, y)
             updates, state = tx.update(grads, state, params)
             params = optax.apply_updates(params, updates)
-            finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(v))
-                                        for v in jax.tree.leaves(params)]))
-            return jax.tree.map(lambda a: a[None], params), state, loss[None], finite[None]
+            return (jax.tree.map(lambda a: a[None], params), state, loss[None],
+                    all_finite(params)[None])
 
         return self.manual(body, (P(axis), specs, P(axis), P(axis)),
                            (P(axis), specs, P(axis), P(axis)))
 
     def full(self, params):
         """The replicas' mean, replicated (for evaluation)."""
-        return jax.jit(lambda p: jax.tree.map(lambda a: a.mean(0), p),
-                       out_shardings=NamedSharding(self.mesh, P()))(params)
+        return on_every_device(params, self.mesh, mean_of_replicas=True)
 
     def round_bytes(self, name: str, key) -> int:
         """Bytes per device of one round: each fragment's all-reduce of its

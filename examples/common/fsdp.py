@@ -23,13 +23,12 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
 import transforms
 from common.compressors import Communication
-from common.train import DataParallel, placed_bytes
+from common.train import DataParallel, on_every_device, placed_bytes
 
 WEIGHT_BLOCK = 2048
 WEIGHT_COMPRESSORS = {
@@ -132,7 +131,7 @@ class ShardedDataParallel(DataParallel):
 
     def full(self, params):
         """The whole parameters, replicated on every device (for evaluation)."""
-        return jax.jit(lambda p: p, out_shardings=NamedSharding(self.mesh, P()))(params)
+        return on_every_device(params, self.mesh)
 
     def memory(self, params, opt_state) -> dict:
         """Bytes held by one device: parameters, optimizer state, residuals,

@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from common.compressors import Communication, communication
-from common.train import DataParallel
+from common.train import DataParallel, on_every_device
 
 DATA, MODEL = "data", "model"
 LAYOUTS = {"column": {"kernel": P(None, MODEL), "bias": P(MODEL)},
@@ -111,7 +111,7 @@ class DataModelParallel(DataParallel):
 
     def full(self, params):
         """The whole parameters, replicated on every device (for evaluation)."""
-        return jax.jit(lambda p: p, out_shardings=NamedSharding(self.mesh, P()))(params)
+        return on_every_device(params, self.mesh)
 
     def manual(self, body, in_specs, out_specs, *, replicated: bool = True):
         return jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=in_specs,

@@ -32,6 +32,7 @@ same order for every compressor); with several processes
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 
@@ -199,9 +200,7 @@ class DataParallel:
             loss, g = self.grads(lax.pcast(params, self.axis, to="varying"), x, y)
             updates, opt_state = tx.update(g, opt_state, params)
             params = optax.apply_updates(params, updates)
-            finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(v))
-                                        for v in jax.tree.leaves(params)]))
-            return params, opt_state, loss[None], finite
+            return params, opt_state, loss[None], all_finite(params)
 
         return self.shard_map(body, specs, (P(), specs, P(self.axis), P()),
                               replicated=replicated)
@@ -270,6 +269,26 @@ class DataParallel:
         total = sum(float(_loss_sum(self.graphdef, p, x[i:i + batch], y[i:i + batch]))
                     for i in range(0, len(x), batch))
         return total / max(y.size, 1)
+
+
+def all_finite(params) -> jax.Array:
+    """Scalar bool: every value of ``params`` is finite (inside the step)."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in jax.tree.leaves(params)]))
+
+
+def on_every_device(tree, mesh, *, mean_of_replicas: bool = False):
+    """``tree`` gathered whole onto every device of ``mesh`` (``P()``); with
+    ``mean_of_replicas``, the mean over its leading axis of replicas. The
+    jitted copy is made once per mesh, not per evaluation."""
+    return _gatherer(mesh, mean_of_replicas)(tree)
+
+
+@functools.cache
+def _gatherer(mesh, mean_of_replicas: bool):
+    def gather(tree):
+        return jax.tree.map(lambda a: a.mean(0), tree) if mean_of_replicas else tree
+
+    return jax.jit(gather, out_shardings=NamedSharding(mesh, P()))
 
 
 def placed_bytes(tree) -> int:
