@@ -35,6 +35,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
+from common.config import check_folder  # noqa: E402
 from common.devices import simulate_cpu_devices  # noqa: E402
 
 METHODS = ("powersgd", "allreduce-qsgd-4", "allreduce-onebit", "gradiveq")
@@ -138,6 +139,10 @@ def main(argv=None) -> int:
         p.error(f"--params must be numbers, got {args.params!r}")
     if args.runs < 0 or any(t <= 0 for t in targets):
         p.error("--params must be > 0 and --runs >= 0")
+    try:
+        check_folder("out", args.out)
+    except ValueError as err:
+        p.error(str(err))
     simulate_cpu_devices()
 
     import jax

@@ -27,6 +27,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
+from common.config import check_folder  # noqa: E402
 from common.devices import simulate_cpu_devices  # noqa: E402
 
 simulate_cpu_devices(default=4)
@@ -179,6 +180,10 @@ def main(argv=None):
     if min(args.steps, args.every, args.width, args.batch_size) < 1 or args.train_examples < 0:
         parser.error("--steps, --every, --width and --batch-size must be >= 1, "
                      "--train-examples >= 0")
+    try:
+        check_folder("output_dir", args.output_dir)
+    except ValueError as err:
+        parser.error(str(err))
     cfg = mlp_config.Config(width=args.width, batch_size=args.batch_size, compressors=("none",))
     data = load_mnist(args.data_dir or None).take(args.train_examples or None, None)
     dp = DataParallel(mlp_model.build(cfg))

@@ -42,6 +42,7 @@ from qcollect._packing import pack_bits, packed_words, unpack_bits
 from qcollect._payload import Compressor, Payload, payload_bytes
 from qcollect._pca import PCACompressor, pca
 from qcollect._pca_fit import PCAFit, pca_fit
+from qcollect._phases import phase, wire_bytes_by_phase
 from qcollect._power_iteration import (
     orthogonalize,
     powersgd_normalize,
@@ -128,6 +129,7 @@ __all__ = [
     "pca",
     "pca_fit",
     "permute",
+    "phase",
     "powersgd",
     "powersgd_init",
     "powersgd_matrix",
@@ -149,6 +151,7 @@ __all__ = [
     "unpack_bits",
     "wire_bytes",
     "wire_bytes_by_axis",
+    "wire_bytes_by_phase",
     "wire_report",
 ]
 

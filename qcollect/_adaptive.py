@@ -57,6 +57,7 @@ from qcollect._groups import (
     padding_mask,
     sample_within_groups,
     to_view,
+    unscaled,
     with_valid,
 )
 from qcollect._packing import pack_bits
@@ -306,7 +307,7 @@ def _exact(sides: jax.Array, groups: Groups, pi: float, x: jax.Array):
         sent = top_mask(sides, jnp.expand_dims(k, axis), axis)
         c = overflow_safe_scale(length)  # sums of any float32 stay finite
         sums = jnp.sum(to_view(x, groups) * c * sent, axis=axis)  # same-shape product
-        means = sums / jnp.maximum(jnp.sum(sent, axis=axis, dtype=jnp.int32), 1) / c
+        means = unscaled(sums / jnp.maximum(jnp.sum(sent, axis=axis, dtype=jnp.int32), 1), c)
         return (sent[0] | sent[1]).reshape(-1), means
     major = sides if groups.axis == 1 else jnp.swapaxes(sides, 1, 2)
     # Float magnitudes (XLA:CPU's top_k is ~10x faster on float32 than on
@@ -315,7 +316,7 @@ def _exact(sides: jax.Array, groups: Groups, pi: float, x: jax.Array):
     top, pos = lax.top_k(mags, k_max)  # (2, G, k_max), largest first
     take = jnp.arange(k_max) < k[:, :, None]
     c = overflow_safe_scale(k_max)
-    means = signs * jnp.sum(jnp.where(take, top * c, 0.0), axis=2) / jnp.maximum(k, 1) / c
+    means = signs * unscaled(jnp.sum(jnp.where(take, top * c, 0.0), axis=2) / jnp.maximum(k, 1), c)
     group = jnp.arange(groups.num_groups)[:, None]
     if groups.axis == 1:
         flat = group * groups.view[1] + pos
@@ -351,7 +352,7 @@ def _sampled_thresholds(picks: jax.Array, pi: float):
         take = jnp.arange(k_max) < s[:, None]
         tau = jnp.take_along_axis(top, (s - 1)[:, None], axis=-1)[:, 0]
         c = overflow_safe_scale(k_max)
-        mean = jnp.sum(jnp.where(take, top * c, 0.0), axis=-1) / s / c
+        mean = unscaled(jnp.sum(jnp.where(take, top * c, 0.0), axis=-1) / s, c)
         key = jnp.where(m_side > 0, magnitude_keys(tau), MAX_SIZE)
         rows.append((key, jnp.where(m_side > 0, mean, 0.0)))
     (t_pos, mean_pos), (t_neg, mean_neg) = rows

@@ -124,6 +124,23 @@ def overflow_safe_scale(length: int) -> float:
     return 2.0 ** -(max(int(length) - 1, 0).bit_length() + 1)
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def unscaled(mean: jax.Array, c: float) -> jax.Array:
+    """``mean / c`` for a mean of values times `overflow_safe_scale` ``c``,
+    saturating at the float32 maximum.
+
+    A mean of finite values lies within their range, but the rounding of the
+    scaled sum and of the division can put it an ulp beyond ``F32_MAX * c``
+    (a side whose values all are ``+-F32_MAX``), and scaling back would turn
+    that into inf. Finite means therefore stay within ``+-F32_MAX``; a
+    non-finite ``mean`` (from non-finite input) stays as it is.
+    """
+    out = mean / c
+    return jnp.where(jnp.isfinite(mean), jnp.clip(out, -_F32_MAX, _F32_MAX), out)
+
+
 def group_sums(view: jax.Array, groups: Groups, scale: float = 1.0) -> jax.Array:
     """``(num_groups,)`` float32 sums of the view within each group, times ``scale``
     (`overflow_safe_scale` keeps them finite).

@@ -25,6 +25,7 @@ from qcollect._groups import (
     overflow_safe_scale,
     sample_within_groups,
     to_view,
+    unscaled,
     view_codes,
     with_valid,
 )
@@ -153,9 +154,9 @@ def _exact_means(view, groups, bits, grouping: str, bucket_size: int, sums=None)
     ``sums``: ``(non-negative sums, sums)`` times the `overflow_safe_scale`
     of the group length, when `_bucket_statistics` has them already."""
     # Sums of the values times c (a power of two) cannot overflow; the
-    # means are scaled back. v + |v| is exactly 2v or 0. total - pos keeps
-    # NaN/Inf of the group in the negative mean (a NaN is neither >= 0 nor
-    # < 0, else it would vanish).
+    # means are scaled back within +-F32_MAX (`unscaled`). v + |v| is
+    # exactly 2v or 0. total - pos keeps NaN/Inf of the group in the
+    # negative mean (a NaN is neither >= 0 nor < 0, else it would vanish).
     c = overflow_safe_scale(groups.view[groups.axis])
     if sums is None:
         pos_sum = 0.5 * jnp.sum(view * c + jnp.abs(view * c), axis=groups.axis)
@@ -165,8 +166,8 @@ def _exact_means(view, groups, bits, grouping: str, bucket_size: int, sums=None)
     neg_sum = total - pos_sum
     pos_cnt = _nonnegative_counts(view, groups, bits, grouping, bucket_size)
     neg_cnt = groups.counts - pos_cnt
-    return (pos_sum / jnp.maximum(pos_cnt, 1) / c,
-            neg_sum / jnp.maximum(neg_cnt, 1) / c)
+    return (unscaled(pos_sum / jnp.maximum(pos_cnt, 1), c),
+            unscaled(neg_sum / jnp.maximum(neg_cnt, 1), c))
 
 
 def _bucket_statistics(view, groups):
@@ -217,7 +218,7 @@ def _sampled_means(view, groups, key, sample: int):
     neg_mean = jnp.sum(jnp.where(pos, 0.0, picks), -1) / jnp.maximum(jnp.sum(~pos, -1), 1)
     poison = group_sums(view, groups, scale=overflow_safe_scale(
         groups.view[groups.axis])) * 0.0
-    return pos_mean / c + poison, neg_mean / c + poison
+    return unscaled(pos_mean, c) + poison, unscaled(neg_mean, c) + poison
 
 
 def _encoded(x, key, valid, *, name: str, grouping: str, bucket_size: int,

@@ -23,8 +23,9 @@ once more; a loop that runs no collective, at any depth, sends nothing and
 needs no trip count, while one that does and has no known trip count (a
 data-dependent ``lax.while_loop``) raises ValueError naming the loop. Of a
 conditional's branches the largest counts, since one runs per call
-(``branches="min"``: the smallest, e.g. the steady compressed phase of a
-transformation that switches phases with ``lax.cond``).
+(``branches="min"``: the smallest). Which branch is which phase of a
+transformation that switches phases with ``lax.cond`` is read from its
+marks by `qcollect.wire_bytes_by_phase`.
 """
 
 from __future__ import annotations
@@ -193,12 +194,20 @@ def wire_report(fn, *args, branches: Literal["max", "min"] = "max", **kwargs) ->
     ``branches``: ``"max"`` or ``"min"``, which branch of each conditional
     is reported (see `wire_bytes`).
     """
-    if branches not in ("max", "min"):
-        raise ValueError(f"branches must be 'max' or 'min', got {branches!r}")
+    check_branches(branches)
+    return report_from_hlo(compiled_text(fn, *args, **kwargs), branches)
+
+
+def compiled_text(fn, *args, **kwargs) -> str:
+    """The optimised HLO of ``jax.jit(fn)(*args, **kwargs)``."""
     # A jitted fn compiles through its own cache (no second compile after a call).
     lower = fn.lower if isinstance(fn, jax.stages.Wrapped) else jax.jit(fn).lower
-    hlo = lower(*args, **kwargs).compile().as_text()
-    return report_from_hlo(hlo, branches)
+    return lower(*args, **kwargs).compile().as_text()
+
+
+def check_branches(branches) -> None:
+    if branches not in ("max", "min"):
+        raise ValueError(f"branches must be 'max' or 'min', got {branches!r}")
 
 
 def _callees(line: str) -> list[str]:
@@ -224,7 +233,14 @@ def _holds_collective(comp: str, comps, memo: dict[str, bool]) -> bool:
     return memo[comp]
 
 
-def report_from_hlo(hlo: str, branches: Literal["max", "min"] = "max") -> list[WireOp]:
+def report_from_hlo(hlo: str, branches: Literal["max", "min"] = "max",
+                    eligible=None) -> list[WireOp]:
+    """The collectives of the optimised ``hlo`` (see `wire_report`).
+
+    ``eligible(branch_names, comps) -> names``: which branches of a
+    conditional may run (`qcollect._phases`; default all); ``branches``
+    picks among them.
+    """
     pick = max if branches == "max" else min
     comps, shapes, entry, default_group = _parse(hlo)
     ops: list[WireOp] = []
@@ -270,7 +286,7 @@ def report_from_hlo(hlo: str, branches: Literal["max", "min"] = "max") -> list[W
                     r"branch_computations=\{([^}]*)\}|(true_computation=%[\w.\-]+, "
                     r"false_computation=%[\w.\-]+)", line))
                 costs = []
-                for b in branches:
+                for b in branches if eligible is None else eligible(branches, comps):
                     before = len(ops)
                     visit(b, multiplicity, seen + (comp,))
                     costs.append((sum(o.bytes_per_call * o.multiplicity for o in ops[before:]),
@@ -304,11 +320,12 @@ def wire_bytes(fn, *args, branches: Literal["max", "min"] = "max", **kwargs) -> 
       >>> qc.wire_bytes(f, jnp.zeros(jax.device_count() * 1024))  # doctest: +SKIP
       7168
     """
-    return int(round(sum(op.bytes_per_call * op.multiplicity
-                         for op in wire_report(fn, *args, branches=branches, **kwargs))))
+    return total_bytes(wire_report(fn, *args, branches=branches, **kwargs))
 
 
-
+def total_bytes(ops) -> int:
+    """What the ops of a `wire_report` send per device, rounded to a byte."""
+    return int(round(sum(op.bytes_per_call * op.multiplicity for op in ops)))
 
 
 def _find_mesh(args, kwargs):

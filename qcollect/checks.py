@@ -6,7 +6,7 @@ range, so that every factory reports a bad setting the same way.
 
 Example:
   >>> import numpy as np
-  >>> from qcollect.checks import check_choice, check_float, check_int
+  >>> from qcollect.checks import check_choice, check_float, check_int, check_key
   >>> check_int("bits", np.int64(4), low=1, high=8)
   4
   >>> check_float("tau", 0.5, high=1.0)
@@ -17,15 +17,20 @@ Example:
   Traceback (most recent call last):
   ...
   ValueError: bits must be an integer in [1, 8], got 0
+  >>> check_key("key", 0)
+  Traceback (most recent call last):
+  ...
+  ValueError: key must be one PRNG key, jax.random.key(seed) ... got 0
 """
 
 from __future__ import annotations
 
 import numbers
 
+import jax
 import numpy as np
 
-__all__ = ["check_choice", "check_float", "check_int"]
+__all__ = ["check_choice", "check_float", "check_int", "check_key"]
 
 
 def check_choice(name: str, value, allowed):
@@ -103,3 +108,25 @@ def check_float(name: str, value, *, low: float = 0.0, high: float | None = None
         raise ValueError(
             f"{name} must be a finite number in {bracket}{low}, {upper}, got {value!r}")
     return float(value)
+
+
+def check_key(name: str, value):
+    """``value`` if it is one PRNG key: a typed key array of shape ``()``
+    (``jax.random.key(seed)``) or a legacy ``uint32`` key array
+    (``jax.random.PRNGKey(seed)``, or its data as saved by ``np.savez``).
+
+    Raises:
+      ValueError: anything else (None, an int seed, a float array, a batch of
+        keys); the message names ``name`` and what was passed.
+    """
+    dtype = getattr(value, "dtype", None)
+    shape = tuple(getattr(value, "shape", None) or ())
+    typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    if typed and shape == ():
+        return value
+    legacy = jax.eval_shape(jax.random.PRNGKey, 0).shape  # of the default implementation
+    if not typed and dtype is not None and np.dtype(dtype) == np.uint32 and shape == legacy:
+        return value
+    got = f"an array of {dtype} and shape {shape}" if dtype is not None else repr(value)
+    raise ValueError(f"{name} must be one PRNG key, jax.random.key(seed) (or a legacy uint32 "
+                     f"key of shape {legacy}, jax.random.PRNGKey(seed)), got {got}")

@@ -91,9 +91,11 @@ def test_one_inner_step_per_round_is_synchronous_sgd():
                                        rtol=1e-5, atol=1e-6)
 
 
-def _reference(steps, every, fragments, delay, mix, x, y, inner_lr=0.05, outer_lr=0.7):
+def _reference(steps, every, fragments, delay, mix, x, y, inner_lr=0.05, outer_lr=0.7,
+               sync_first=0):
     """NumPy-free reference of Streaming DiLoCo on one process: N replicas,
-    inner SGD, exact mean, outer Nesterov SGD; fragments as `fragment_masks`."""
+    inner SGD, exact mean, outer Nesterov SGD; fragments as `fragment_masks`;
+    ``sync_first`` synchronous SGD steps (mean gradient) before the rounds."""
     params = _params()
     names = sorted(params)  # flatten order of a dict
     masks = transforms.fragment_masks(params, fragments)
@@ -105,11 +107,17 @@ def _reference(steps, every, fragments, delay, mix, x, y, inner_lr=0.05, outer_l
     outer_state = [outer.init({n: params[n] for n in names if frag[n] == f})
                    for f in range(fragments)]
     for t in range(steps):
+        grads = [jax.grad(_loss)(reps[i], x[t][4 * i:4 * i + 4], y[t][4 * i:4 * i + 4])
+                 for i in range(N)]
+        if t < sync_first:
+            grads = [{n: sum(g[n] for g in grads) / N for n in names}] * N
         for i in range(N):
-            rows = slice(4 * i, 4 * i + 4)
-            g = jax.grad(_loss)(reps[i], x[t][rows], y[t][rows])
-            reps[i] = {n: reps[i][n] - inner_lr * g[n] for n in names}
-        phase = (t + 1) % every
+            reps[i] = {n: reps[i][n] - inner_lr * grads[i][n] for n in names}
+        if t + 1 == sync_first:
+            anchor = {n: sum(r[n] for r in reps) / N for n in names}
+        if t < sync_first:
+            continue
+        phase = (t + 1 - sync_first) % every
         for f in range(fragments):
             part = [n for n in names if frag[n] == f]
             if phase == ((f + 1) * every // fragments) % every:
@@ -124,7 +132,7 @@ def _reference(steps, every, fragments, delay, mix, x, y, inner_lr=0.05, outer_l
                     for r in reps:
                         r.update(new)
             lands = (phase == (((f + 1) * every // fragments) % every + delay) % every
-                     and t + 1 > delay)
+                     and t + 1 - sync_first > delay)
             if delay and lands:
                 for r in reps:
                     r.update({n: mix * r[n] + (1 - mix) * pending[n] for n in part})
@@ -132,16 +140,18 @@ def _reference(steps, every, fragments, delay, mix, x, y, inner_lr=0.05, outer_l
     return reps
 
 
-@pytest.mark.parametrize("fragments,delay", [(1, 0), (2, 0), (2, 1)])
-def test_streaming_rounds_follow_the_reference(fragments, delay):
-    """Plain, streaming and delayed DiLoCo against a per-replica reference
-    of the papers' algorithm (sync offsets, outer Nesterov steps, mixing)."""
-    steps, every, mix = 9, 4, 0.5
+@pytest.mark.parametrize("fragments,delay,sync_first",
+                         [(1, 0, 0), (2, 0, 0), (2, 1, 0), (1, 0, 3), (2, 1, 2)])
+def test_streaming_rounds_follow_the_reference(fragments, delay, sync_first):
+    """Plain, streaming, delayed and warm-started DiLoCo against a
+    per-replica reference of the papers' algorithm (sync offsets, outer
+    Nesterov steps, mixing, synchronous steps first)."""
+    steps, every, mix = 9 + sync_first, 4, 0.5
     x, y = _data(steps)
     tx = transforms.diloco(AXIS, inner=optax.sgd(0.05), every=every, fragments=fragments,
-                           delay=delay, mix=mix)
+                           delay=delay, mix=mix, sync_first=sync_first)
     replicas, state, _ = _train(tx, steps, x, y)
-    reference = _reference(steps, every, fragments, delay, mix, x, y)
+    reference = _reference(steps, every, fragments, delay, mix, x, y, sync_first=sync_first)
     for name in replicas:
         want = np.stack([np.asarray(r[name]) for r in reference])
         np.testing.assert_allclose(np.asarray(replicas[name]), want, rtol=2e-5, atol=2e-6)
@@ -257,6 +267,7 @@ def test_bad_settings_name_themselves():
     for kwargs, match in (({"every": 0}, "every"), ({"every": 4, "fragments": 5}, "fragments"),
                           ({"every": 4, "fragments": 2, "delay": 2}, "delay"),
                           ({"every": 4, "mix": 1.5}, "mix"),
+                          ({"every": 4, "sync_first": -1}, "sync_first"),
                           ({"every": 4, "outer": "sgd"}, "outer")):
         with pytest.raises(ValueError, match=match):
             transforms.diloco(AXIS, inner=sgd, **kwargs)

@@ -114,6 +114,30 @@ def test_config_flags_and_errors(capsys):
         TrainConfig(optimizer="lbfgs")
 
 
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-0.1"])
+def test_non_finite_or_non_positive_learning_rate_is_rejected(value, capsys):
+    """At parse time, naming the flag: inf or nan would train to NaN."""
+    with pytest.raises(SystemExit):
+        parse_config(TrainConfig, ["--learning-rate", value])
+    assert "learning_rate must be" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="learning_rate"):
+        TrainConfig(learning_rate=float(value))
+
+
+def test_output_dir_naming_a_file_is_rejected_before_training(tmp_path, capsys):
+    """A file where the results would go (or on the way to it) fails at parse
+    time, not after training when the tables are written."""
+    file = tmp_path / "results.md"
+    file.write_text("")
+    for bad in (file, file / "sub"):
+        with pytest.raises(SystemExit):
+            parse_config(TrainConfig, ["--output-dir", str(bad)])
+        assert "output_dir" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="checkpoint_dir"):
+        TrainConfig(checkpoint_dir=str(file))
+    assert TrainConfig(output_dir=str(tmp_path / "new" / "folder")).output_dir  # made later
+
+
 def test_gradiveq_slice_sizes_follow_the_kernel_layout():
     size = compressors.gradiveq_slice_size
     assert size((3, 3, 4, 8), min_slice=128) == 128   # F D = 32 divides 128
@@ -191,6 +215,23 @@ def test_mlp_example_trains_on_a_data_model_mesh(tmp_path, capsys):
         "model", 0)) <= 64)
     out = capsys.readouterr().out
     assert "(4 data x 2 model, cpu)" in out and "| data vs none |" in out
+
+
+def test_a_run_that_ends_in_its_warm_up_warns_and_the_table_says_so(tmp_path, capsys):
+    """PowerSGD with 10 uncompressed steps in a 4-step run never compresses:
+    a warning says so, and the table gives the steps and bytes of each
+    phase, measured by name on the compiled step."""
+    with pytest.warns(UserWarning, match=r"powersgd: the run's 4 steps end before its first "
+                                         r"compressed step \(4 warm-up\)"):
+        (run,) = _main("mnist_mlp")(_tiny_args(tmp_path, ["powersgd"], [
+            "--width", "64", "--powersgd-start", "10"]))
+    assert run.wire_bytes_by_phase == {"compressed": run.wire_bytes,
+                                       "warm-up": run.wire_bytes_max}
+    assert run.phases == [["warm-up", 0, 4]]
+    assert (f"| {run.wire_bytes:,} (4 warm-up steps at {run.wire_bytes_max:,}; "
+            f"0 compressed at {run.wire_bytes:,}) |") in capsys.readouterr().out
+    record = json.loads((tmp_path / "mnist_mlp.json").read_text())["runs"][0]
+    assert record["phases"] == [["warm-up", 0, 4]]
 
 
 @pytest.mark.slow  # a training run; the hierarchy is tested in test_hierarchical.py

@@ -167,6 +167,21 @@ def test_config_rejects_mnist_settings_and_bad_shapes(capsys):
         Config(compressors=("loca",))
 
 
+def test_config_checks_learning_rate_and_output_dir_before_training(tmp_path, capsys):
+    """The common checks (through ``super().__post_init__``) cover the language
+    model's flags: a non-finite learning rate, an output folder that is a file."""
+    from common.config import parse_config
+
+    for value in ("inf", "nan", "0"):
+        with pytest.raises(ValueError, match="learning_rate"):
+            Config(learning_rate=float(value))
+    file = tmp_path / "lm.md"
+    file.write_text("")
+    with pytest.raises(SystemExit):
+        parse_config(Config, ["--output-dir", str(file)])
+    assert "output_dir" in capsys.readouterr().err
+
+
 def test_one_bit_adam_recipe_warms_up_uncompressed_then_freezes_the_variance(tmp_path):
     """``--compress-after 2 --freeze-variance true``: two uncompressed steps
     (the bytes of ``none``), then one-bit; AdamW's second moment stops."""
@@ -203,8 +218,8 @@ def test_one_bit_adam_recipe_warms_up_uncompressed_then_freezes_the_variance(tmp
 
 
 @pytest.mark.parametrize("name", ["common.text", "common.task", "common.wire_split",
-                                  "common.compressors", "common.train", "common.frozen_adam",
-                                  "lm.model", "lm.report",
+                                  "common.report", "common.compressors", "common.train",
+                                  "common.frozen_adam", "lm.model", "lm.report",
                                   "lm.main"])
 def test_docstring_examples(name):
     module = importlib.import_module(name)
@@ -230,9 +245,11 @@ def test_lm_resume_is_bit_identical(tmp_path):
 
 
 @pytest.mark.slow  # two phased runs: their extra compiles
-def test_phased_all_reduces_count_each_phase(tmp_path):
-    """PowerSGD's uncompressed first step, GradiVeQ's QSGD and PCA steps: each
-    phase's measured bytes, summed on the schedule into ``bytes_sent``."""
+def test_phased_all_reduces_count_each_phase(tmp_path, capsys):
+    """PowerSGD's uncompressed first step, GradiVeQ's warm-up, sampling and
+    compressed steps: each phase's bytes measured by name on the compiled
+    step, summed on the run's schedule into ``bytes_sent``, and the table
+    says how many steps each phase took."""
     _main()(["--compressors", "powersgd,gradiveq", "--steps", "4", "--eval-every", "4",
              "--powersgd-start", "1", "--gradiveq-warmup", "1", "--gradiveq-sample-steps", "1",
              "--gradiveq-compressed-steps", "1", "--gradiveq-rank", "4",
@@ -240,11 +257,23 @@ def test_phased_all_reduces_count_each_phase(tmp_path):
     powersgd, gradiveq = json.loads((tmp_path / "lm.json").read_text())["runs"]
     for run in (powersgd, gradiveq):
         assert run["wire_bytes_compressed"] + run["wire_bytes_uncompressed"] == run["wire_bytes"]
-        assert sorted(run["phase_bytes"].values()) == [run["wire_bytes"], run["wire_bytes_max"]]
+        assert sorted(set(run["phase_bytes"].values())) == [run["wire_bytes"],
+                                                             run["wire_bytes_max"]]
     phases = powersgd["phase_bytes"]
-    assert powersgd["bytes_sent"] == [0, phases["uncompressed"] + 3 * phases["compressed"]]
-    phases = gradiveq["phase_bytes"]  # steps: warm-up, sampling, PCA, sampling
-    assert gradiveq["bytes_sent"] == [0, 3 * phases["qsgd"] + phases["pca"]]
+    assert set(phases) == {"warm-up", "compressed"}
+    assert powersgd["phases"] == [["warm-up", 0, 1], ["compressed", 1, 4]]
+    assert powersgd["bytes_sent"] == [0, phases["warm-up"] + 3 * phases["compressed"]]
+    phases = gradiveq["phase_bytes"]
+    assert phases["warm-up"] == phases["sampling"] == gradiveq["wire_bytes_max"]
+    assert phases["compressed"] == gradiveq["wire_bytes"]
+    assert gradiveq["phases"] == [["warm-up", 0, 1], ["sampling", 1, 2], ["compressed", 2, 3],
+                                  ["sampling", 3, 4]]
+    assert gradiveq["bytes_sent"] == [0, phases["warm-up"] + 2 * phases["sampling"]
+                                      + phases["compressed"]]
+    table = capsys.readouterr().out
+    assert (f"1 warm-up step at {powersgd['phase_bytes']['warm-up']:,}; "
+            f"3 compressed at {powersgd['phase_bytes']['compressed']:,}") in table
+    assert f"1 warm-up step at {phases['warm-up']:,}; 2 sampling at" in table
 
 
 def test_lm_trains_sharded_with_compressed_gathers_and_scatters(tmp_path, capsys):
@@ -323,6 +352,17 @@ def test_lm_trains_with_diloco_beside_synchronous_runs(tmp_path, capsys):
     assert "bytes / token" in out and "| diloco-qsgd-4 |" in out
 
 
+def test_lm_diloco_warm_start_counts_its_synchronous_steps(tmp_path):
+    """``--diloco-sync-first 2``: two synchronous steps (a full exact
+    all-reduce each), then rounds of H = 2: 6 steps send 2 + 2 full
+    exchanges, two thirds of a synchronous run's bytes."""
+    none, warm = _main()([
+        "--compressors", "none", "--diloco-every", "2", "--diloco-sync-first", "2",
+        "--steps", "6", "--eval-every", "3", "--output-dir", str(tmp_path), *TINY])
+    assert np.isfinite(warm.losses).all()
+    assert warm.wire_bytes == round(none.wire_bytes * 4 / 6)
+
+
 def test_diloco_config_is_checked():
     with pytest.raises(ValueError, match="outer_compressor"):
         Config(diloco_every=10, outer_compressor=("powersgd",))
@@ -330,6 +370,8 @@ def test_diloco_config_is_checked():
         Config(diloco_every=4, fragments=5)
     with pytest.raises(ValueError, match="diloco_delay"):
         Config(diloco_every=4, fragments=2, diloco_delay=2)
+    with pytest.raises(ValueError, match="diloco_sync_first"):
+        Config(diloco_every=4, steps=100, diloco_sync_first=100)
     with pytest.raises(ValueError, match="compressors"):
         Config(compressors=())
     assert Config(compressors=(), diloco_every=4).extra_runs == ("none",)

@@ -138,3 +138,48 @@ def test_sampled_draws_depend_on_key():
 def test_bad_config(kwargs, arg):
     with pytest.raises(ValueError, match=arg):
         qc.onebit(**kwargs)
+
+
+F32_MAX = np.finfo(np.float32).max
+
+
+def _at_the_maximum(shape, seed=0):
+    """Values of exactly +-F32_MAX, signs at random."""
+    signs = np.random.default_rng(seed).choice([-1.0, 1.0], shape)
+    return (signs * F32_MAX).astype(np.float32)
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(grouping="column"), dict(bucket_size=4),
+                                    dict(bucket_size=100), dict(sample=8)], ids=str)
+def test_values_at_the_float32_maximum_decode_finite(kwargs):
+    """A side of a group whose values all are F32_MAX has mean F32_MAX: the
+    rounding of the scaled sum and of the division can put it an ulp beyond,
+    which scaling back turned into inf. Means saturate at +-F32_MAX instead."""
+    c = qc.onebit(**kwargs)
+    x = _at_the_maximum((64, 64))
+    out = np.asarray(jax.jit(lambda v, k: c.decode(c.encode(v, k)))(x, jax.random.key(0)))
+    assert np.isfinite(out).all(), f"{np.sum(~np.isfinite(out))} of {out.size} non-finite"
+    if "sample" not in kwargs:  # a side no sample falls on decodes 0
+        np.testing.assert_allclose(out, x, rtol=1e-6)
+
+
+@pytest.mark.parametrize("algorithm", ["ring_requantize", "pairwise"])
+def test_all_reduce_of_values_at_the_float32_maximum_is_finite(algorithm):
+    """Through the collective, on a tree: one device holds +-F32_MAX (the others
+    zeros, so the exact sum is representable) beside a small leaf; every device's
+    result and contribution are finite and the sum is the maximum's."""
+    from tests.helpers import per_device
+
+    n = 4
+    big = np.zeros((n, 32, 64), np.float32)
+    big[1] = _at_the_maximum((32, 64), seed=1)
+    tree = {"max": jnp.asarray(big),
+            "small": jax.random.normal(jax.random.key(2), (n, 300))}
+    c = qc.onebit()
+    run = per_device(lambda t, k: tuple(qc.compressed_all_reduce(
+        t, "d", c, k, algorithm=algorithm, mean=False)[:2]), n)
+    value, contributed = run(tree, jnp.stack([jax.random.key(0)] * n))
+    for leaf in jax.tree.leaves((value, contributed)):
+        assert np.isfinite(np.asarray(leaf)).all()
+    np.testing.assert_allclose(np.asarray(value["max"]),
+                               np.broadcast_to(big[1], (n, 32, 64)), rtol=1e-6)

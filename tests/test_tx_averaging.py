@@ -281,6 +281,46 @@ def test_device_invariant_updates_under_shard_map():
                                np.broadcast_to(np.asarray(p["w"]).mean(axis=0), (N, 4)))
 
 
+def _replica_step(tx, n):
+    """The documented step: each device's replica by `transforms.local_replica`."""
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh_of(n), in_specs=P("d"), out_specs=P("d"))
+    def step(params, opt_state):
+        p, s = transforms.local_replica((params, opt_state), "d")
+        u, s = tx.update(jax.tree.map(jnp.zeros_like, p), s, p)
+        return unblock((optax.apply_updates(p, u), s))
+
+    return step
+
+
+def test_replicas_stacked_for_another_device_count_are_refused():
+    """Four replicas placed by hand on two devices: ``a[0]`` kept two of them and
+    averaged those (1.0 where the four average 1.5); `transforms.local_replica`
+    refuses the blocks of two, naming both counts, and takes one replica each
+    where the count is right."""
+    tx = optax.chain(optax.sgd(0.1), transforms.compressed_model_averaging(
+        "d", every_k=1, key=jax.random.key(0), compressor=IDENTITY))
+    four = {"w": jnp.arange(4.0)[:, None] * jnp.ones((4, 8))}
+    state = stacked(tx.init({"w": jnp.zeros(8)}), 4)
+    placed = jax.device_put((four, state), NamedSharding(mesh_of(2), P("d")))
+    with pytest.raises(ValueError, match=r"(?s)made for 4 devices along 'd', but this mesh "
+                                         r"has 2.*init_sharded.*restore_sharded"):
+        _replica_step(tx, 2)(*placed)
+    placed = jax.device_put((four, state), NamedSharding(mesh_of(4), P("d")))
+    params, _ = _replica_step(tx, 4)(*placed)
+    np.testing.assert_allclose(np.asarray(params["w"]), 1.5)
+
+
+def test_local_replica_needs_a_device_axis():
+    @functools.partial(jax.shard_map, mesh=mesh_of(2), in_specs=P(), out_specs=P())
+    def step(scalar):
+        return transforms.local_replica({"count": scalar}, "d")["count"]
+
+    with pytest.raises(ValueError, match=r"\['count'\] of shape \(\) has no leading device"):
+        step(jnp.zeros([], jnp.int32))
+
+
 def test_pmap():
     params, updates = _tree(8, big=64)
     tx = transforms.compressed_model_averaging("i", every_k=1, key=jax.random.key(0),

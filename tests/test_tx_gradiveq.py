@@ -389,6 +389,70 @@ def test_schedule_phases():
         False, True, True, False]
 
 
+def test_phases_schedule_agrees_with_the_traced_schedule():
+    """`transforms.gradiveq_phases` names each step as `Schedule.phase` places it."""
+    for warmup, sample, compressed in ((2, 2, 3), (0, 1, 4), (5, 3, 1)):
+        schedule = Schedule(warmup, sample, compressed)
+        traced = []
+        for t in range(23):
+            p = schedule.phase(jnp.int32(t), jnp.int32(warmup))
+            traced.append("sampling" if p.sampling else "compressed" if p.compressing
+                          else "warm-up")
+        spans = transforms.gradiveq_phases(23, warmup_steps=warmup, sample_steps=sample,
+                                           compressed_steps=compressed)
+        assert [s.name for s in spans for _ in range(s.start, s.stop)] == traced
+        assert spans[-1].stop == 23
+    assert transforms.gradiveq_phases(0) == ()
+    import inspect
+
+    made, phases = (inspect.signature(f).parameters
+                    for f in (transforms.gradiveq, transforms.gradiveq_phases))
+    for name in ("warmup_steps", "sample_steps", "compressed_steps"):
+        assert made[name].default == phases[name].default
+    with pytest.raises(ValueError, match="sample_steps"):
+        transforms.gradiveq_phases(10, sample_steps=0)
+
+
+def test_each_phase_is_measured_by_name():
+    """Leaves of several shapes and scales: warm-up and sampling steps send what
+    the sample compressor's all-reduce of the compressed leaves and an exact
+    one of the others send, the compressed steps the PCA rings (exactly:
+    r coefficients per slice and a weight per chunk); without warm-up steps
+    there is no warm-up phase."""
+    rank = 2
+    shapes = {"w": (24, K), "v": (13, 7), "b": (K,)}
+    rng = np.random.default_rng(0)
+    grads = jax.device_put({k: (10.0 ** (3 * i - 3) * rng.standard_normal((N,) + s))
+                            .astype(np.float32) for i, (k, s) in enumerate(shapes.items())},
+                           NamedSharding(mesh_of(N), P("d")))
+    template = {k: jnp.zeros(s) for k, s in shapes.items()}
+
+    def by_phase(**kwargs):
+        tx = transforms.gradiveq("d", key=jax.random.key(0), slice_size=K, rank=rank,
+                                 sample_steps=1, compressed_steps=2, **kwargs)
+        state = _init(tx, template)
+        return qc.wire_bytes_by_phase(sharded_update(tx, N, state).mapped, grads, state)
+
+    def alone(fn):
+        run = jax.jit(jax.shard_map(lambda g: fn(jax.tree.map(lambda a: a[0], g)),
+                                    mesh=mesh_of(N), in_specs=P("d"), out_specs=P()))
+        return qc.wire_bytes(run, grads)
+
+    bias = alone(lambda g: lax.pmean(g["b"], "d"))
+    sampled = alone(lambda g: qc.compressed_all_reduce(
+        [g["w"], g["v"]], "d", qc.qsgd(bits=4), jax.random.key(0)).value) + bias
+    exact = alone(lambda g: lax.pmean(g, "d"))
+    # w: 24 slices, 3 per device's chunk; v: 91 values, 10 slices padded to 16, 2 per chunk.
+    pca = 2 * (N - 1) * (4 * 3 * rank + 4) + 2 * (N - 1) * (4 * 2 * rank + 4)
+    assert bias == 2 * (N - 1) / N * 4 * K
+    assert exact == 2 * (N - 1) / N * 4 * (24 * K + 13 * 7 + K)
+    assert by_phase(warmup_steps=2) == {"compressed": pca + bias, "sampling": sampled,
+                                        "warm-up": sampled}
+    assert by_phase() == {"compressed": pca + bias, "sampling": sampled}
+    assert by_phase(warmup_steps=1, sample_compressor=None) == {
+        "compressed": pca + bias, "sampling": exact, "warm-up": exact}
+
+
 @pytest.mark.parametrize("kwargs, shapes, match", [
     ({}, {"w": (24, K), "v": (13, 7), "b": (K,), "z": (4,)}, r"not the one init saw.*\['z'\]"),
     ({}, {"w": (24, K), "b": (K,)}, r"not the one init saw.*\['v'\]"),       # missing leaf

@@ -272,6 +272,22 @@ def test_state_structure_shapes_and_dtypes_unchanged():
     assert state0.residuals["h"].dtype == jnp.float32
 
 
+def test_integer_matrix_gradients_keep_their_dtype_in_both_phases():
+    """An int32 matrix in the gradients: the uncompressed warm-up step returned
+    its mean as float32 where the compressed branch casts back, so lax.cond
+    refused the step. Both phases return the gradients' dtypes."""
+    tx = transforms.powersgd("d", rank=1, key=jax.random.key(7), start_iter=1)
+    template = {"a": jnp.zeros((6, 10)), "i": jnp.zeros((6, 10), jnp.int32)}
+    state = _init(tx, template)
+    run = sharded_update(tx, N, state)
+    grads = {"a": _grads(8)["a"], "i": np.full((N, 6, 10), 3, np.int32)}
+    for _ in range(2):  # one uncompressed step, one compressed
+        updates, state = run(grads, state)
+        assert updates["i"].dtype == jnp.int32 and updates["a"].dtype == jnp.float32
+        # A constant matrix is rank 1: PowerSGD reconstructs it up to rounding.
+        assert np.abs(np.asarray(updates["i"]) - 3).max() <= 1
+
+
 def test_nan_step_keeps_q_and_residuals():
     tx = transforms.powersgd("d", rank=1, key=jax.random.key(5), start_iter=1)
     state = _init(tx, _template())
@@ -431,3 +447,70 @@ def test_update_on_another_tree_names_the_leaf(kwargs, shapes, match):
              for k, s in shapes.items()}
     with pytest.raises(ValueError, match=match):
         jax.eval_shape(sharded_update(tx, 2, state).mapped, grads, state)
+
+
+def test_each_phase_is_measured_by_name_and_the_schedule_says_how_many_steps():
+    """Leaves of several shapes and scales: the warm-up sends what an
+    uncompressed all-reduce of every leaf sends, the compressed phase what
+    PowerSGD alone (``start_iter=0``) sends, exactly; ``start_iter`` moves
+    steps between the phases, not bytes."""
+    shapes = {"w1": (256, 128), "w2": (128, 64), "conv": (3, 3, 8, 16), "b": (64,)}
+    rank = 4
+    rng = np.random.default_rng(0)
+    grads = jax.device_put({k: (10.0 ** (3 * i - 4) * rng.standard_normal((N,) + s))
+                            .astype(np.float32) for i, (k, s) in enumerate(shapes.items())},
+                           NamedSharding(mesh_of(N), P("d")))
+
+    def measured(tx, by_phase=True):
+        state = _init(tx, _template(shapes))
+        step = sharded_update(tx, N, state).mapped
+        return (qc.wire_bytes_by_phase if by_phase else qc.wire_bytes)(step, grads, state)
+
+    plain = measured(_pmean_tx(), by_phase=False)
+    alone = measured(transforms.powersgd("d", rank=rank, key=jax.random.key(0), start_iter=0),
+                     by_phase=False)
+    ring = lambda k: 2 * (N - 1) * -(-k // N) * 4  # noqa: E731
+    # P and Q of each compressed leaf in one fused ring per round; the bias averaged.
+    assert alone == (ring((256 + 128 + 72) * rank) + ring((128 + 64 + 16) * rank)
+                     + 2 * (N - 1) / N * 4 * 64)
+    assert plain == 2 * (N - 1) / N * 4 * sum(int(np.prod(s)) for s in shapes.values())
+    for start_iter in (30, None):
+        kwargs = {} if start_iter is None else {"start_iter": start_iter}
+        tx = transforms.powersgd("d", rank=rank, key=jax.random.key(0), **kwargs)
+        assert measured(tx) == {"compressed": alone, "warm-up": plain}
+    assert measured(transforms.powersgd("d", rank=rank, key=jax.random.key(0),
+                                        start_iter=0)) == {"compressed": alone}
+    # What 300 steps send: the default warms up for 10 steps; PyTorch's 1000 never compresses.
+    for start_iter, warm in ((None, 10), (30, 30), (1000, 300)):
+        kwargs = {} if start_iter is None else {"start_iter": start_iter}
+        spans = transforms.powersgd_phases(300, **kwargs)
+        assert transforms.steps_per_phase(spans) == {
+            k: v for k, v in {"warm-up": warm, "compressed": 300 - warm}.items() if v}
+        per_phase = {"compressed": alone, "warm-up": plain}
+        assert sum((s.stop - s.start) * per_phase[s.name] for s in spans) == (
+            warm * plain + (300 - warm) * alone)
+
+
+def test_default_start_iter_is_short_and_matches_its_schedule():
+    """Ten uncompressed steps by default (PyTorch's hook waits 1000), then
+    rank-``r`` updates; `transforms.powersgd_phases` has the same default."""
+    import inspect
+
+    default = inspect.signature(transforms.powersgd).parameters["start_iter"].default
+    assert default == 10
+    assert inspect.signature(transforms.powersgd_phases).parameters["start_iter"].default == default
+    tx = transforms.powersgd("d", rank=1, key=jax.random.key(0))
+    state = _init(tx, _template())
+    run = sharded_update(tx, N, state)
+    grads = _grads(3)
+    for _ in range(default):  # uncompressed: the mean of every leaf
+        update, state = run(grads, state)
+        for name in SHAPES:
+            np.testing.assert_allclose(np.asarray(update[name]), grads[name].mean(0),
+                                       rtol=1e-5, atol=1e-6)
+    update, _ = run(grads, state)  # the first compressed step: rank 1
+    assert np.linalg.matrix_rank(np.asarray(update["a"]), tol=1e-5) == 1
+    with pytest.raises(ValueError, match="start_iter"):
+        transforms.powersgd_phases(10, start_iter=-1)
+    with pytest.raises(ValueError, match="steps"):
+        transforms.powersgd_phases(-1)

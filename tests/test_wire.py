@@ -258,3 +258,119 @@ def test_a_loop_condition_counts_once_more_than_the_body():
     silent = _LOOP_HLO.replace("all-reduce(%v), replica_groups={{0,1,2,3}}, to_apply=%sum",
                                "negate(%v)").replace(", TRIP", "")
     assert report_from_hlo(silent) == []
+
+
+# ------------------------------------------------------------------ phases
+
+def _phased(count_limit=10):
+    """A step that always psums 16 values, then in phase "warm-up" psums all
+    64 and in phase "compressed" only the first 8 (a stand-in for a codec)."""
+
+    def step(v):
+        def warm_up(u):
+            with qc.phase("warm-up"):
+                return lax.psum(u, "d")
+
+        def compressed(u):
+            with qc.phase("compressed"):
+                return jnp.tile(lax.psum(u[:8], "d"), 8)
+
+        always = lax.psum(v[:16], "d")
+        out = lax.cond(v[0] < count_limit, warm_up, compressed, v)
+        return lax.pcast(out + always.sum(), "d", to="varying")
+
+    return step
+
+
+def _allreduce(n, values):
+    return 2 * (n - 1) / n * 4 * values
+
+
+def test_each_marked_phase_counts_its_branch_and_what_runs_always():
+    n = 4
+    run = per_device(_phased(), n)
+    args = run.shard(jnp.zeros((n, 64)))
+    by_phase = qc.wire_bytes_by_phase(run.mapped, *args)
+    assert by_phase == {"compressed": round(_allreduce(n, 8 + 16)),
+                        "warm-up": round(_allreduce(n, 64 + 16))}
+    assert qc.wire_bytes(run.mapped, *args) == by_phase["warm-up"]
+    assert qc.wire_bytes(run.mapped, *args, branches="min") == by_phase["compressed"]
+    with pytest.raises(ValueError, match="branches"):
+        qc.wire_bytes_by_phase(run.mapped, *args, branches="mean")
+
+
+def test_unmarked_programs_have_no_phases_and_a_mark_outside_a_conditional_names_the_one():
+    n = 2
+    x = jnp.zeros((n, 64))
+    plain = per_device(lambda v: qc.ring_all_reduce(v, "d"), n)
+    assert qc.wire_bytes_by_phase(plain.mapped, *plain.shard(x)) == {}
+
+    def marked(v):
+        with qc.phase("compressed"):
+            return qc.ring_all_reduce(v, "d")
+
+    run = per_device(marked, n)
+    assert qc.wire_bytes_by_phase(run.mapped, *run.shard(x)) == {
+        "compressed": qc.wire_bytes(plain.mapped, *plain.shard(x))}
+
+
+def test_nested_marks_name_the_innermost_phase():
+    """A phased transformation inside the later branch of another (the examples'
+    uncompressed start around PowerSGD): its own phases are named, and the
+    outer branch that holds them counts in each."""
+    n = 4
+    inner = _phased(count_limit=20)
+
+    def step(v):
+        def exact(u):
+            with qc.phase("uncompressed"):
+                return lax.pcast(lax.psum(u, "d") + lax.psum(u[:16], "d").sum(), "d",
+                                 to="varying")
+
+        def after(u):
+            with qc.phase("compressed"):
+                return inner(u)
+
+        return lax.cond(v[1] < 5, exact, after, v)
+
+    run = per_device(step, n)
+    by_phase = qc.wire_bytes_by_phase(run.mapped, *run.shard(jnp.zeros((n, 64))))
+    assert by_phase == {"compressed": round(_allreduce(n, 8 + 16)),
+                        "uncompressed": round(_allreduce(n, 64 + 16)),
+                        "warm-up": round(_allreduce(n, 64 + 16))}
+
+
+def test_one_mark_may_name_several_phases_and_unmarked_conditionals_follow_branches():
+    n = 4
+
+    def step(v):
+        def sampled(u):
+            with qc.phase("warm-up", "sampling"):
+                return lax.psum(u, "d")
+
+        def compressed(u):
+            with qc.phase("compressed"):
+                return jnp.tile(lax.psum(u[:8], "d"), 8)
+
+        def big(u):
+            return lax.pcast(lax.psum(u[:32], "d").sum() + u, "d", to="varying")
+
+        def small(u):
+            return lax.pcast(lax.psum(u[:4], "d").sum() + u, "d", to="varying")
+
+        out = lax.cond(v[0] < 3, sampled, compressed, v)
+        return lax.cond(v[2] < 3, big, small, out)  # no phase: the larger counts
+
+    run = per_device(step, n)
+    args = run.shard(jnp.zeros((n, 64)))
+    assert qc.wire_bytes_by_phase(run.mapped, *args) == {
+        "compressed": round(_allreduce(n, 8 + 32)), "sampling": round(_allreduce(n, 64 + 32)),
+        "warm-up": round(_allreduce(n, 64 + 32))}
+    assert qc.wire_bytes_by_phase(run.mapped, *args, branches="min")["compressed"] == round(
+        _allreduce(n, 8 + 4))
+
+
+@pytest.mark.parametrize("names", [(), ("",), ("warm up",), ("a/b",), ("a,b",), (3,)])
+def test_phase_names_are_checked(names):
+    with pytest.raises(ValueError, match="phase"):
+        qc.phase(*names)

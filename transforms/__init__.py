@@ -8,6 +8,7 @@ Parameters and optimizer moments stay replicated (``P()``); only error-feedback
 residuals are per device (`state_specs`, `init_sharded`).
 """
 
+from transforms._accumulate import AccumulateState, accumulate
 from transforms._all_reduce import CompressedAllReduceState, compressed_all_reduce
 from transforms._averaging import ModelAveragingState, compressed_model_averaging
 from transforms._checkpoint import restore_sharded
@@ -23,18 +24,23 @@ from transforms._fsdp import (
     sharded_specs,
 )
 from transforms._gradiveq import GradiVeQState, gradiveq
+from transforms._mean import mean_all_reduce, path_name
+from transforms._phases import PhaseSpan, gradiveq_phases, powersgd_phases, steps_per_phase
 from transforms._policy import compressed_fraction, leaf_compressors
 from transforms._powersgd import PowerSGDState, powersgd
-from transforms._sharding import init_sharded, state_specs
+from transforms._sharding import init_sharded, local_replica, state_specs
 
 __all__ = [
     "FSDP",
+    "AccumulateState",
     "CompressedAllReduceState",
     "DiLoCoState",
     "FSDPState",
     "GradiVeQState",
     "ModelAveragingState",
+    "PhaseSpan",
     "PowerSGDState",
+    "accumulate",
     "clip_by_global_norm",
     "compressed_all_reduce",
     "compressed_fraction",
@@ -43,13 +49,19 @@ __all__ = [
     "fragment_masks",
     "fsdp",
     "gradiveq",
+    "gradiveq_phases",
     "init_on_shards",
     "init_sharded",
     "leaf_compressors",
+    "local_replica",
+    "mean_all_reduce",
+    "path_name",
     "powersgd",
+    "powersgd_phases",
     "restore_sharded",
     "shard_params",
     "shard_specs",
     "sharded_specs",
     "state_specs",
+    "steps_per_phase",
 ]

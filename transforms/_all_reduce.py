@@ -42,7 +42,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
-from qcollect.checks import check_choice, check_int
+from qcollect.checks import check_choice, check_int, check_key
 from transforms._policy import (
     CompressorSpec,
     check_compressor,
@@ -199,6 +199,7 @@ def compressed_all_reduce(axis_name, *, compressor: CompressorSpec, key: jax.Arr
         min_size=check_int("min_size", min_size, low=0), compress_if=compress_if, fuse=fuse,
         bucket_bytes=bucket_bytes, pipeline=check_int("pipeline", pipeline),
         batch_buckets=batch_buckets, exchange=exchange, block_specs=block_specs)
+    key = check_key("key", key)
     return optax.GradientTransformation(functools.partial(_init, key=key, settings=settings),
                                         functools.partial(_update, settings=settings))
 

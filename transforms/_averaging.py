@@ -84,7 +84,7 @@ import optax
 from jax import lax
 
 import qcollect as qc
-from qcollect.checks import check_int
+from qcollect.checks import check_int, check_key
 from transforms._policy import (
     CompressorSpec,
     check_compressor,
@@ -92,7 +92,7 @@ from transforms._policy import (
     leaf_compressors,
     sum_uncompressed,
 )
-from transforms._sharding import leaves_like, to_varying
+from transforms._sharding import check_axis, leaves_like, to_varying
 
 __all__ = ["ModelAveragingState", "compressed_model_averaging"]
 
@@ -164,6 +164,7 @@ def compressed_model_averaging(axis_name, *, every_k: int, key: jax.Array,
       0
     """
     every_k = check_int("every_k", every_k)
+    key = check_key("key", key)
     min_size = check_int("min_size", min_size, low=0)
     compressor = check_compressor("compressor", compressor, allow_none=True)
     if compressor is None:
@@ -177,6 +178,7 @@ def compressed_model_averaging(axis_name, *, every_k: int, key: jax.Array,
         if params is None:
             raise ValueError("compressed_model_averaging needs params: call "
                              "update(updates, state, params)")
+        check_axis(axis_name)
         leaves, treedef = jax.tree.flatten(updates)
         weights = _weights_of(updates, params)
         comps = leaf_compressors(params, compressor, min_size=min_size)

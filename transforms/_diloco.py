@@ -42,6 +42,13 @@ starting parameters, the outer optimizer's state, the delayed fragment and
 the counters are the same on every device (``P()``). `state_specs` and
 `init_sharded` place them.
 
+Warm start (``sync_first=K``): the papers start DiLoCo from a model
+pretrained synchronously (DiLoCo section 3: 24k of 88k steps). The first K
+steps are synchronous data parallelism: every worker's gradients are
+averaged exactly (`qcollect.fused_psum`, a full all-reduce each step) before
+the inner optimizer, so the replicas and their inner states stay equal; at
+step K the anchor becomes their (exact) mean and the rounds begin.
+
 Non-finite inner steps: a worker whose inner update is non-finite skips
 that step (its parameters and inner state stay), with no collective, so one
 worker's bad batch never reaches the outer gradient.
@@ -63,6 +70,7 @@ import qcollect as qc
 from qcollect.checks import check_float, check_int
 from transforms._sharding import (
     all_finite,
+    check_axis,
     device_block,
     keep_if_finite,
     per_device,
@@ -172,7 +180,7 @@ def diloco(axis_name, *, inner: optax.GradientTransformation, every: int,
            outer: optax.GradientTransformation | None = None,
            reduce: optax.GradientTransformation | None = None, fragments: int = 1,
            fragment_of: Callable | None = None, delay: int = 0,
-           mix: float = 0.5) -> optax.GradientTransformation:
+           mix: float = 0.5, sync_first: int = 0) -> optax.GradientTransformation:
     """DiLoCo: ``every`` inner steps per worker, then a compressed outer step.
 
     ``update(grads, state, params)`` takes this worker's gradients at its
@@ -200,6 +208,8 @@ def diloco(axis_name, *, inner: optax.GradientTransformation, every: int,
         application, below ``every // fragments``.
       mix: with ``delay``, the weight of the worker's own parameters when
         the delayed fragment is applied, in [0, 1].
+      sync_first: K, synchronous data-parallel steps (exact gradient mean,
+        a full all-reduce each) before the first round (module docstring).
 
     Returns:
       An ``optax.GradientTransformation``.
@@ -232,13 +242,14 @@ def diloco(axis_name, *, inner: optax.GradientTransformation, every: int,
         raise ValueError(f"delay must be below every // fragments ({every // fragments}), "
                          f"got {delay}")
     mix = check_float("mix", mix, low=0.0, high=1.0, low_inclusive=True)
+    sync_first = check_int("sync_first", sync_first, low=0)
     outer = optax.sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer
     reduce = _ExactMean(axis_name) if reduce is None else reduce
     for name, tx in (("inner", inner), ("outer", outer), ("reduce", reduce)):
         if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
             raise ValueError(f"{name} must be an optax GradientTransformation, got {tx!r}")
     settings = _Settings(axis_name, inner, outer, reduce, every, fragments, fragment_of, delay,
-                         mix)
+                         mix, sync_first)
     return optax.GradientTransformation(functools.partial(_init, s=settings),
                                         functools.partial(_update, s=settings))
 
@@ -267,6 +278,7 @@ class _Settings(NamedTuple):
     fragment_of: Callable | None
     delay: int
     mix: float
+    sync_first: int
 
     def masks(self, params) -> list:
         return fragment_masks(params, self.fragments, self.fragment_of)
@@ -290,11 +302,16 @@ def _init(params, *, s: _Settings) -> DiLoCoState:
 def _update(grads, state: DiLoCoState, params=None, *, s: _Settings):
     if params is None:
         raise ValueError("diloco needs params: call update(grads, state, params)")
+    check_axis(s.axis_name)
     like = jax.eval_shape(s.inner.init, params)
     stored_inner = state.inner
     inner_state = jax.tree.map(
         lambda a, b: device_block(a, b, s.axis_name, "the inner optimizer state"),
         stored_inner, like)
+    if s.sync_first:
+        grads = lax.cond(state.count < s.sync_first,
+                         functools.partial(_mean_gradients, axis_name=s.axis_name),
+                         functools.partial(to_varying, axis_name=s.axis_name), grads)
     updates, new_inner = s.inner.update(grads, inner_state, params)
     ok = all_finite(updates)  # this worker's own step: no collective
     updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates)
@@ -303,25 +320,40 @@ def _update(grads, state: DiLoCoState, params=None, *, s: _Settings):
                          params, updates)
 
     masks = s.masks(params)
-    done = state.count + 1  # inner steps after this one
+    done = state.count + 1 - s.sync_first  # inner steps of the rounds after this one
     phase = done % s.every
     branches = [lambda st: (to_varying(updates, s.axis_name), st)]
     index = jnp.zeros([], jnp.int32)
     for f, mask in enumerate(masks):
         branches.append(functools.partial(_sync, f=f, mask=mask, local=local, params=params,
                                           updates=updates, s=s))
-        index = jnp.where(phase == s.offset(f), len(branches) - 1, index)
+        index = jnp.where((phase == s.offset(f)) & (done > 0), len(branches) - 1, index)
     if s.delay:
         for f, mask in enumerate(masks):
             branches.append(functools.partial(_apply_pending, mask=mask, local=local,
                                               params=params, updates=updates, s=s))
             lands = (phase == (s.offset(f) + s.delay) % s.every) & (done > s.delay)
             index = jnp.where(lands, len(branches) - 1, index)
+    if s.sync_first:
+        branches.append(functools.partial(_begin_rounds, local=local, updates=updates, s=s))
+        index = jnp.where(done == 0, len(branches) - 1, index)
     shared = state._replace(inner=None, count=None)
     out, shared = lax.switch(index, branches, shared)
     new_inner = jax.tree.map(lambda n, st: jnp.reshape(n, jnp.shape(st)), new_inner,
                              stored_inner)
     return out, shared._replace(inner=new_inner, count=optax.safe_int32_increment(state.count))
+
+
+def _mean_gradients(grads, axis_name):
+    """The exact mean over the workers, per device (a warm-start step)."""
+    mean = qc.fused_psum(grads, axis_name, mean=True)
+    return to_varying(jax.tree.map(lambda m, g: m.astype(g.dtype), mean, grads), axis_name)
+
+
+def _begin_rounds(st: DiLoCoState, *, local, updates, s: _Settings):
+    """The last warm-start step: the anchor becomes the replicas' exact mean."""
+    anchor = qc.fused_psum(local, s.axis_name, mean=True)
+    return to_varying(updates, s.axis_name), st._replace(anchor=anchor)
 
 
 def _moved_to(values, mask, local, params, updates, axis_name):

@@ -40,10 +40,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
-from qcollect.checks import check_choice
+from qcollect.checks import check_choice, check_key
 from transforms._sharding import (
     _put,
     _varies_along,
+    check_axis,
     init_like_params,
     keep_if_finite,
     mesh_axes,
@@ -138,8 +139,7 @@ def fsdp(axis_name, *, dimension, key: jax.Array, weights: qc.Compressor | None 
     for name, c in (("weights", weights), ("gradients", gradients)):
         if c is not None and not isinstance(c, qc.Compressor):
             raise ValueError(f"{name} must be a qcollect Compressor or None, got {c!r}")
-    if gradients is not None and gradients.stochastic and key is None:
-        raise ValueError(f"{gradients.name} is stochastic: pass key")
+    key = check_key("key", key)
 
     def init(params) -> FSDPState:
         residual = (qc.fsdp_residuals(params, dimension) if error_feedback else
@@ -148,6 +148,7 @@ def fsdp(axis_name, *, dimension, key: jax.Array, weights: qc.Compressor | None 
 
     def value_and_grad(loss_fn, has_aux: bool = False):
         def run(shards, state: FSDPState, *args):
+            check_axis(axis_name)
             stored = state.residual
             residual = (jax.tree.map(_block, stored) if error_feedback
                         else _zero_residuals(shards, dimension, axis_name))
@@ -251,6 +252,7 @@ def clip_by_global_norm(max_norm: float, axis_name) -> optax.GradientTransformat
 
     def update(grads, state, params=None):
         del params
+        check_axis(axis_name)
         leaves = jax.tree.leaves(grads)
         sharded = [leaf for leaf in leaves if _varies_along(leaf, axis_name)]
         whole = [leaf for leaf in leaves if not _varies_along(leaf, axis_name)]

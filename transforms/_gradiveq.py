@@ -83,7 +83,7 @@ import optax
 from jax import lax
 
 import qcollect as qc
-from qcollect.checks import check_choice, check_float, check_int
+from qcollect.checks import check_choice, check_float, check_int, check_key
 from transforms._gradiveq_cycle import LeafPlan, Schedule, refreshed
 from transforms._gradiveq_sums import aggregate
 from transforms._policy import check_compressor, leaf_choices, sum_uncompressed
@@ -245,6 +245,7 @@ def gradiveq(axis_name, *, key: jax.Array, slice_size: int | Callable,
         sample_compressor=sample_compressor, sample_algorithm=sample_algorithm,
         stop_loss=stop_loss, mean=mean, error_feedback=error_feedback,
         batch_buckets=batch_buckets)
+    key = check_key("key", key)
     return optax.GradientTransformation(functools.partial(_init, key=key, settings=settings),
                                         functools.partial(_update, settings=settings))
 

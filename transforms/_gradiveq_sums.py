@@ -11,6 +11,7 @@ import numpy as np
 from jax import lax
 
 import qcollect as qc
+from transforms._phases import COMPRESSED, SAMPLING, WARM_UP
 from transforms._policy import group_indices
 from transforms._sharding import mesh_axes
 
@@ -20,17 +21,26 @@ __all__ = ["aggregate", "sum_on_pca_ring", "sum_sampled"]
 def aggregate(xs, bases, means, compressing, key, settings):
     """The compressed leaves summed over devices: on the PCA ring in a
     compressed step (``compressing``, traced), else through the sample
-    compressor; ``settings`` are `transforms.gradiveq`'s.
+    compressor; ``settings`` are `transforms.gradiveq`'s. The branches are
+    marked with their phases (`qcollect.phase`): ``"compressed"``, and
+    ``"warm-up"`` (when there are warm-up steps) and ``"sampling"``.
 
     Returns ``(sums, contributed, votes)`` (see `sum_on_pca_ring`).
     """
     s = settings
-    return lax.cond(
-        compressing,
-        lambda: sum_on_pca_ring(xs, bases, means, s.axis_name, key, s.stop_loss,
-                                s.batch_buckets),
-        lambda: sum_sampled(xs, s.axis_name, s.sample_compressor, key, s.sample_algorithm,
-                            s.batch_buckets))
+    sampled = (WARM_UP, SAMPLING) if s.schedule.warmup_steps else (SAMPLING,)
+
+    def on_ring():
+        with qc.phase(COMPRESSED):
+            return sum_on_pca_ring(xs, bases, means, s.axis_name, key, s.stop_loss,
+                                   s.batch_buckets)
+
+    def through_sample_compressor():
+        with qc.phase(*sampled):
+            return sum_sampled(xs, s.axis_name, s.sample_compressor, key, s.sample_algorithm,
+                               s.batch_buckets)
+
+    return lax.cond(compressing, on_ring, through_sample_compressor)
 
 
 def sum_sampled(xs, axis_name, compressor, key, algorithm, batch=qc.BATCH_BUCKETS):

@@ -7,7 +7,22 @@ that is a matrix (two or more dimensions) and where a rank-``r`` factorization
 pays (`qcollect.powersgd_should_compress`) is compressed by one power
 iteration with warm start; vectors, scalars and small matrices stay
 uncompressed. The phase switch is a ``lax.cond`` on the step count, which is
-the same on every device, with the collectives inside its branches.
+the same on every device, with the collectives inside its branches, marked
+``"warm-up"`` and ``"compressed"`` (`qcollect.phase`):
+`qcollect.wire_bytes_by_phase` of a step measures each, and
+`powersgd_phases` says which steps of a run fall in which.
+
+``start_iter`` defaults to 10. Vogels et al.'s Algorithm 1 compresses from
+the first step. PyTorch's hook runs 1000 uncompressed steps by default
+(``start_powerSGD_iter``; its docstring: the start of training is the most
+sensitive to inexact gradients) and the authors' ``powersgd`` package 100
+(``start_compressing_after_num_steps``), counts meant for runs of tens of
+thousands of steps. A fixed count cannot know the run's length: 1000 leaves
+a run of a few hundred steps uncompressed from start to end, and its wire
+bytes those of a plain all-reduce. 10 keeps the first, largest updates
+exact and nearly every step of a short run compressed; pass
+``start_iter=1000`` for the hook's schedule. (The warm-up leaves the ``Q``
+memory and the error feedback as ``init`` made them.)
 
 Matrix views: a leaf becomes an ``(n, m)`` matrix
 (`qcollect.powersgd_matrix_shape`). ``matrix_view="last"`` (default) suits
@@ -74,7 +89,8 @@ import optax
 from jax import lax
 
 import qcollect as qc
-from qcollect.checks import check_choice, check_float, check_int
+from qcollect.checks import check_choice, check_float, check_int, check_key
+from transforms._phases import COMPRESSED, POWERSGD_START_ITER, WARM_UP
 from transforms._policy import group_indices, sum_uncompressed
 from transforms._sharding import (
     all_finite,
@@ -144,7 +160,7 @@ class _Settings:
         return qc.powersgd_init(key, jnp.shape(leaf), self.rank, view=self.matrix_view)
 
 
-def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = 1_000,
+def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = POWERSGD_START_ITER,
              warm_start: bool = True, error_feedback: bool = True,
              min_compression_rate: float = 2.0, mean: bool = True,
              matrix_view: Literal["last", "first"] = "last") -> optax.GradientTransformation:
@@ -154,8 +170,9 @@ def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = 1_000,
     uncompressed (``qc.fused_psum``). From step ``start_iter`` on, each leaf
     whose matrix view a rank-``r`` factorization shrinks is sent as the two
     factors of one power iteration with warm start and error feedback
-    (Algorithms 1 and 2); the others go uncompressed. The module docstring
-    has the details.
+    (Algorithms 1 and 2); the others go uncompressed. The two phases are
+    marked ``"warm-up"`` and ``"compressed"`` (`qcollect.wire_bytes_by_phase`,
+    `powersgd_phases`). The module docstring has the details.
 
     Args:
       axis_name: the data-parallel axis (``shard_map`` or ``pmap``).
@@ -163,7 +180,8 @@ def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = 1_000,
         ``matrix_approximation_rank``); a leaf uses ``min(n, m, rank)``.
       key: PRNG key for the random ``Q`` (the same on every device).
       start_iter: uncompressed steps before PowerSGD starts, >= 0
-        (PyTorch's ``start_powerSGD_iter``, default 1000).
+        (PyTorch's ``start_powerSGD_iter``, whose default is 1000; here 10,
+        see the module docstring).
       warm_start: reuse ``Q`` from the previous step (default True).
       error_feedback: keep the local errors (default True).
       min_compression_rate: > 0; a leaf is compressed only when it shrinks
@@ -190,7 +208,9 @@ def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = 1_000,
       <https://arxiv.org/abs/1905.13727>`_, NeurIPS 2019,
       Algorithm 1 (one power iteration, warm start) and Algorithm 2 (error
       feedback); PyTorch ``torch.distributed.algorithms.ddp_comm_hooks.
-      powerSGD_hook``; the ring sum of linear payloads follows
+      powerSGD_hook``; `the authors' package
+      <https://github.com/epfml/powersgd>`_ (``Config``); the ring sum of
+      linear payloads follows
       Yu et al., `GradiVeQ: Vector Quantization for Bandwidth-Efficient
       Gradient Aggregation in Distributed CNN Training
       <https://arxiv.org/abs/1811.03617>`_, NeurIPS 2018,
@@ -208,6 +228,7 @@ def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = 1_000,
         error_feedback=error_feedback,
         min_compression_rate=check_float("min_compression_rate", min_compression_rate),
         mean=mean, matrix_view=check_choice("matrix_view", matrix_view, ("last", "first")))
+    key = check_key("key", key)
     return optax.GradientTransformation(functools.partial(_init, key=key, settings=settings),
                                         functools.partial(_update, settings=settings))
 
@@ -257,10 +278,15 @@ def _update(grads, state: PowerSGDState, params=None, *, settings: _Settings):
 
     def plain(leaves, residuals, qs, count, key):
         del count, key
-        return qc.fused_psum(list(leaves), settings.axis_name, mean=settings.mean), residuals, qs
+        with qc.phase(WARM_UP):
+            summed = qc.fused_psum(list(leaves), settings.axis_name, mean=settings.mean)
+        # In the gradients' dtypes, as the compressed branch returns them (the
+        # mean of integer gradients is a float).
+        return [s.astype(g.dtype) for s, g in zip(summed, leaves, strict=True)], residuals, qs
 
     def power(leaves, residuals, qs, count, key):
-        return _power_step(leaves, residuals, qs, jax.random.fold_in(key, count), settings)
+        with qc.phase(COMPRESSED):
+            return _power_step(leaves, residuals, qs, jax.random.fold_in(key, count), settings)
 
     args = (leaves, residuals, qs, state.count, state.key)
     if settings.start_iter == 0:

@@ -14,6 +14,9 @@ with a leading device axis of size N, sharded ``P(axis_name)``.
 * `init_sharded(tx, params, mesh, axis_name)`: ``tx.init(params)`` placed
   on ``mesh``: per-device leaves ``(N, *shape)`` on ``P(axis_name)``, the
   rest ``P()``.
+* `local_replica(tree, axis_name)`: inside the step, each device's replica
+  of a tree stacked one replica per device (model averaging, DiLoCo),
+  checked against the device count.
 
 A state class marks its per-device fields with a ``per_device_fields``
 class attribute (set by the `per_device` decorator); `state_specs` finds
@@ -39,7 +42,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["init_sharded", "state_specs"]
+__all__ = ["init_sharded", "local_replica", "state_specs"]
 
 
 def per_device(*fields: str):
@@ -64,8 +67,19 @@ def per_device(*fields: str):
     return mark
 
 
+# Other libraries' states with per-device fields: optax.MultiSteps accumulates
+# each device's own gradients (its inner transformation's state is read as usual).
+_OTHER_PER_DEVICE = {optax.MultiStepsState: ("acc_grads",)}
+
+
+def _per_device_fields(node) -> tuple[str, ...] | None:
+    if not isinstance(node, tuple):
+        return None
+    return getattr(type(node), "per_device_fields", _OTHER_PER_DEVICE.get(type(node)))
+
+
 def _has_per_device_fields(node) -> bool:
-    return isinstance(node, tuple) and hasattr(type(node), "per_device_fields")
+    return _per_device_fields(node) is not None
 
 
 def state_specs(state, axis_name):
@@ -82,7 +96,8 @@ def state_specs(state, axis_name):
     Returns:
       A pytree of the same structure with a `jax.sharding.PartitionSpec` per
       leaf: ``P(axis_name)`` for error-feedback residuals (the fields each
-      state class lists in ``per_device_fields``), ``P()`` for the rest.
+      state class lists in ``per_device_fields``; and the gradient
+      accumulators of ``optax.MultiSteps``), ``P()`` for the rest.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, qcollect as qc, transforms
@@ -94,16 +109,42 @@ def state_specs(state, axis_name):
       (True, True)
     """
 
+    specs = _specs(state, axis_name)
+    _check_placed(state, specs)
+    return specs
+
+
+def _specs(state, axis_name):
     def spec(node):
         if not _has_per_device_fields(node):
             return P()
-        fields = type(node).per_device_fields
+        fields = _per_device_fields(node)
         return type(node)(*[
             jax.tree.map(lambda _: P(axis_name), value) if name in fields
-            else state_specs(value, axis_name)
+            else _specs(value, axis_name)
             for name, value in zip(node._fields, node, strict=True)])
 
     return jax.tree.map(spec, state, is_leaf=_has_per_device_fields)
+
+
+def _check_placed(state, specs) -> None:
+    """Raises when a per-device leaf of a concrete state sits unplaced on one
+    device of several (a ``tx.init`` state): the step's ``shard_map`` would
+    cut its first dimension across the devices, or fail to."""
+    if jax.device_count() == 1:
+        return
+    flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    for (path, leaf), spec in zip(jax.tree_util.tree_leaves_with_path(state), flat_specs,
+                                  strict=True):
+        if (spec != P() and isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
+                and isinstance(leaf.sharding, jax.sharding.SingleDeviceSharding)
+                and leaf.size > 0):
+            raise ValueError(
+                f"the state's per-device leaf {jax.tree_util.keystr(path)} (shape "
+                f"{tuple(leaf.shape)}) is not placed on the mesh: it has no leading device "
+                f"axis. Make the state with transforms.init_sharded(tx, params, mesh, "
+                f"axis_name) instead of tx.init(params), or restore a checkpoint with "
+                f"transforms.restore_sharded.")
 
 
 def init_sharded(tx: optax.GradientTransformation, params, mesh, axis_name):
@@ -146,7 +187,7 @@ def init_sharded(tx: optax.GradientTransformation, params, mesh, axis_name):
         state = init_like_params(tx, params, mesh)
         return jax.tree.map(functools.partial(_place_like_params, mesh=mesh, n=n,
                                               axis_name=axis_name),
-                            state, state_specs(state, axis_name))
+                            state, _specs(state, axis_name))
     with jax.set_mesh(mesh):
         state = jax.jit(tx.init)(params)
 
@@ -155,7 +196,7 @@ def init_sharded(tx: optax.GradientTransformation, params, mesh, axis_name):
             leaf = jnp.broadcast_to(leaf[None], (n,) + jnp.shape(leaf))
         return _put(leaf, NamedSharding(mesh, spec))
 
-    return jax.tree.map(place, state, state_specs(state, axis_name))
+    return jax.tree.map(place, state, _specs(state, axis_name))
 
 
 def _place_like_params(leaf, spec, *, mesh, n: int, axis_name):
@@ -220,17 +261,85 @@ def device_block(stored, like, axis_name, what: str):
     stored_size = int(np.prod(jnp.shape(stored), dtype=np.int64))
     shape = tuple(jnp.shape(like))
     if stored_size != size or tuple(jnp.shape(stored)) not in (shape, (1,) + shape):
-        n = int(lax.axis_size(axis_name))
         if size and stored_size % size == 0 and stored_size > size:
-            saved = n * (stored_size // size)
+            raise _another_device_count(what, stored_size // size, axis_name)
+        stored_shape = tuple(jnp.shape(stored))
+        if stored_shape[1:] == shape[1:] and stored_shape[:1] != shape[:1]:
             raise ValueError(
-                f"{what} was made for {saved} devices along {axis_name!r}, but this mesh "
-                f"has {n}: each device's block holds {stored_size // size} devices' "
-                f"values. Re-initialise the state for {n} devices (transforms.init_sharded).")
-        raise ValueError(f"{what} has shape {tuple(jnp.shape(stored))}, expected "
-                         f"{tuple(jnp.shape(like))} (or with a leading device axis of 1): "
+                f"{what} has shape {stored_shape} on this device, expected {shape} with a "
+                f"leading device axis of 1: the state was not placed per device, so the "
+                f"step cut the leaf itself across the devices. Make it with "
+                f"transforms.init_sharded (or restore it with transforms.restore_sharded), "
+                f"not tx.init")
+        raise ValueError(f"{what} has shape {stored_shape}, expected "
+                         f"{shape} (or with a leading device axis of 1): "
                          f"the update's leaf has another shape than the one init saw")
     return jnp.reshape(stored, jnp.shape(like))
+
+
+def _another_device_count(what: str, rows: int, axis_name) -> ValueError:
+    """The error for a per-device block of ``rows`` devices' values (not 1)."""
+    n = math.prod(int(lax.axis_size(a)) for a in mesh_axes(axis_name))
+    return ValueError(
+        f"{what} was made for {n * rows} devices along {axis_name!r}, but this mesh has "
+        f"{n}: each device's block holds {rows} devices' values. Place per-device values "
+        f"with one row per device: transforms.init_sharded for a new state, "
+        f"transforms.restore_sharded for a checkpoint (it checks the count).")
+
+
+def local_replica(tree, axis_name):
+    """This device's replica of a tree stacked one replica per device.
+
+    Where the replicas really differ (`transforms.compressed_model_averaging`,
+    `transforms.diloco`), the parameters (and the inner optimizer's state)
+    are stacked along a leading device axis and sharded ``P(axis_name)``;
+    inside ``jax.shard_map`` each leaf arrives as a ``(1, *shape)`` block.
+    This returns the blocks without that axis, and raises where a block
+    holds several replicas (a tree stacked for another device count, which
+    ``a[0]`` would silently cut down to one replica per device). Under
+    ``jax.pmap`` leaves already are the device's own and come back as they are.
+
+    Args:
+      tree: the step's per-device arguments (parameters, optimizer state).
+      axis_name: the data axis they are stacked along.
+
+    Returns:
+      ``tree`` with each leaf's leading axis of size 1 removed.
+
+    Raises:
+      ValueError: a leaf has no leading axis, or one of another size than 1;
+        the message names the leaf and both device counts.
+
+    Example:
+      >>> import functools, jax, jax.numpy as jnp, transforms
+      >>> n = jax.device_count()
+      >>> mesh = jax.make_mesh((n,), ("data",))
+      >>> @jax.jit
+      ... @functools.partial(jax.shard_map, mesh=mesh, in_specs=jax.P("data"),
+      ...                    out_specs=jax.P("data"))
+      ... def norms(replicas):
+      ...     w = transforms.local_replica(replicas, "data")["w"]  # (3, 4): this device's
+      ...     return jnp.linalg.norm(w)[None]
+      >>> replicas = jax.device_put({"w": jnp.ones((n, 3, 4))},
+      ...                           jax.NamedSharding(mesh, jax.P("data")))
+      >>> norms(replicas).shape == (n,)
+      True
+    """
+    if not _tracks_varying(axis_name):
+        return tree
+
+    def take(path, leaf):
+        rows = jnp.shape(leaf)[0] if jnp.ndim(leaf) else None
+        if rows != 1:
+            what = f"the per-device leaf {jax.tree_util.keystr(path) or 'the root'}"
+            if not rows:
+                raise ValueError(f"{what} of shape {tuple(jnp.shape(leaf))} has no leading "
+                                 f"device axis: stack one replica per device along "
+                                 f"{axis_name!r} (P({axis_name!r}))")
+            raise _another_device_count(what, rows, axis_name)
+        return leaf[0]
+
+    return jax.tree_util.tree_map_with_path(take, tree)
 
 
 def leaves_like(tree, stored, what: str, *, against: str = "the one init saw",
@@ -281,10 +390,14 @@ def check_local_gradients(grads, axis_name) -> None:
         if not _varies_along(leaf, axis_name) and int(np.prod(jnp.shape(leaf))) > 0:
             raise ValueError(
                 f"the gradient {jax.tree_util.keystr(path) or 'leaf'} is invariant along "
-                f"{axis_name!r}: jax.grad with respect to replicated parameters has "
-                f"already summed it with an uncompressed psum. Differentiate with respect "
-                f"to jax.lax.pcast(params, {axis_name!r}, to='varying') to get each "
-                f"device's own gradients.")
+                f"{axis_name!r}, but the update needs each device's own gradients. Either "
+                f"jax.grad was taken with respect to replicated parameters, which sums "
+                f"the gradients with an uncompressed psum: differentiate with respect to "
+                f"jax.lax.pcast(params, {axis_name!r}, to='varying'). Or the gradients come "
+                f"from state placed replicated (P()), such as gradient accumulators: place "
+                f"the state with transforms.init_sharded and transforms.state_specs, which "
+                f"put the accumulators of transforms.accumulate and optax.MultiSteps per "
+                f"device.")
 
 
 def _varying_axes(leaf) -> frozenset:
@@ -304,13 +417,43 @@ def _varies_along(leaf, axis_name) -> bool:
     return set(mesh_axes(axis_name)) <= _varying_axes(leaf)
 
 
+def check_axis(axis_name) -> None:
+    """Raises unless every axis of ``axis_name`` is bound here.
+
+    A transformation's update runs inside ``jax.shard_map`` (or ``jax.pmap``)
+    over its data axis; a name that is not one of the mapped axes would
+    otherwise fail deep inside a collective (a ``NameError``, or an
+    ``AssertionError`` without a message from ``lax.pmean``).
+
+    Raises:
+      ValueError: naming ``axis_name``, the axis that is not bound, and the
+        axes that are (the mapped axes of the current mesh).
+    """
+    for axis in mesh_axes(axis_name):
+        try:
+            lax.axis_index(axis)
+        except NameError:
+            mesh = jax.sharding.get_abstract_mesh()
+            mapped = tuple(getattr(mesh, "manual_axes", ()) or ())
+            others = tuple(a for a in getattr(mesh, "axis_names", ()) if a not in mapped)
+            bound = (f"the mapped axes here are {', '.join(map(repr, mapped))}" if mapped
+                     else "no mesh axis is mapped here")
+            if others:
+                bound += f" (the mesh's other axes, {', '.join(map(repr, others))}, are not)"
+            raise ValueError(
+                f"axis_name {axis_name!r}: {axis!r} is not a bound axis: {bound}. Run the "
+                f"update inside jax.shard_map (or jax.pmap) over {axis!r}, or make the "
+                f"transformation with the data axis the step maps over.") from None
+
+
 def _tracks_varying(axis_name) -> bool:
-    """True inside ``shard_map`` over ``axis_name`` with its type check (not pmap)."""
-    try:
-        index = lax.axis_index(axis_name)
-    except NameError:
-        return False
-    return _varies_along(index, axis_name)
+    """True inside ``shard_map`` over ``axis_name`` with its type check (not pmap).
+
+    Raises:
+      ValueError: ``axis_name`` is not bound here (`check_axis`).
+    """
+    check_axis(axis_name)
+    return _varies_along(lax.axis_index(axis_name), axis_name)
 
 
 def to_varying(tree, axis_name):

@@ -3,7 +3,8 @@
 `communication(name, cfg, axis_name, key)` returns a `Communication`: the
 transformation that turns each device's gradients into the mean gradient
 (chained before the optimizer), and what the training loop needs to know
-about it (whether it switches phases, whether it needs entropy plans).
+about it (whether it switches phases and on which steps, whether it needs
+entropy plans).
 
 =============  ==============================================================
 name           all-reduce
@@ -33,7 +34,9 @@ than ``cfg.min_size`` values (biases) are averaged uncompressed.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -58,12 +61,18 @@ class Communication(NamedTuple):
         (`examples.common.entropy_plan`), else None.
       replicated: the update is the same on every device (False only for
         ``local``, which reduces nothing).
+      phases: ``phases(steps)``: which steps of a run fall in which phase,
+        a tuple of `transforms.PhaseSpan` under the names the
+        transformation marks its branches with (`qcollect.phase`), so that
+        `qcollect.wire_bytes_by_phase` of the step prices each; None for an
+        all-reduce of one phase.
     """
 
     tx: optax.GradientTransformation
     phased: bool = False
     entropy: qc.EntropyCompressor | None = None
     replicated: bool = True
+    phases: Callable[[int], tuple] | None = None
 
 
 def pmean(axis_name, block_specs=None) -> optax.GradientTransformation:
@@ -120,6 +129,10 @@ def pmean_bf16(axis_name, block_specs=None) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
+#: The phases of `uncompressed_first`, as it marks them (`qcollect.phase`).
+UNCOMPRESSED, COMPRESSED = "uncompressed", "compressed"
+
+
 def uncompressed_first(steps: int, tx: optax.GradientTransformation,
                        axis_name) -> optax.GradientTransformation:
     """The uncompressed mean (`pmean`) for the first ``steps`` updates, then
@@ -127,19 +140,48 @@ def uncompressed_first(steps: int, tx: optax.GradientTransformation,
     warm-up (Tang et al. 2021, section 3; `common.frozen_adam`).
 
     The phase is a ``lax.cond`` on a step count that is the same on every
-    device, so both phases are compiled once.
+    device, so both phases are compiled once; its branches are marked
+    ``"uncompressed"`` and ``"compressed"`` (`qcollect.phase`; a phased
+    ``tx`` inside names its own phases, `after_uncompressed`).
     """
     def init(params):
         return jnp.zeros((), jnp.int32), tx.init(params)
 
+    def exact(grads, inner, params):
+        with qc.phase(UNCOMPRESSED):
+            return qc.fused_psum(grads, axis_name, mean=True), inner
+
+    def compressed(grads, inner, params):
+        with qc.phase(COMPRESSED):
+            return tx.update(grads, inner, params)
+
     def update(grads, state, params=None):
         count, inner = state
-        mean, inner = lax.cond(count < steps,
-                               lambda: (qc.fused_psum(grads, axis_name, mean=True), inner),
-                               lambda: tx.update(grads, inner, params))
+        mean, inner = lax.cond(count < steps, exact, compressed, grads, inner, params)
         return mean, (optax.safe_int32_increment(count), inner)
 
     return optax.GradientTransformation(init, update)
+
+
+def after_uncompressed(steps: int, first: int, inner=None) -> tuple:
+    """The phases of a run of ``steps`` through `uncompressed_first` with
+    ``first`` uncompressed steps: those, then ``inner(steps - first)`` (the
+    inner transformation's, from its own step 0) moved ``first`` steps on,
+    or one compressed phase.
+
+    Example:
+      >>> import transforms
+      >>> after_uncompressed(8, 2, lambda n: transforms.powersgd_phases(n, start_iter=3))
+      ... # doctest: +NORMALIZE_WHITESPACE
+      (PhaseSpan(name='uncompressed', start=0, stop=2),
+       PhaseSpan(name='warm-up', start=2, stop=5),
+       PhaseSpan(name='compressed', start=5, stop=8))
+    """
+    later = (inner(max(steps - first, 0)) if inner is not None
+             else (transforms.PhaseSpan(COMPRESSED, 0, max(steps - first, 0)),))
+    spans = (transforms.PhaseSpan(UNCOMPRESSED, 0, min(first, steps)),) + tuple(
+        span._replace(start=span.start + first, stop=span.stop + first) for span in later)
+    return tuple(span for span in spans if span.start < span.stop)
 
 
 def communication(name: str, cfg, axis_name, key, block_specs=None) -> Communication:
@@ -153,15 +195,16 @@ def communication(name: str, cfg, axis_name, key, block_specs=None) -> Communica
     specs (`common.model_axes`), taken by the names of
     `common.config.MODEL_AXIS_COMPRESSORS`.
     """
-    comm = _communication(name, cfg, axis_name, key, block_specs)
-    if cfg.compress_after == 0 or name in ("none", COMPUTE_ONLY, PSUM_BF16):
-        return comm
-    if comm.entropy is not None or name == "gradiveq":
+    if cfg.compress_after and (name in ("entropy", "gradiveq") or name.startswith("entropy-")):
         raise ValueError(f"compress_after does not apply to {name}: the entropy compressor's "
                          "plans are made from the compressed steps, and GradiVeQ has its own "
                          "warm-up (gradiveq_warmup)")
+    comm = _communication(name, cfg, axis_name, key, block_specs)
+    if cfg.compress_after == 0 or name in ("none", COMPUTE_ONLY, PSUM_BF16):
+        return comm
     return comm._replace(tx=uncompressed_first(cfg.compress_after, comm.tx, axis_name),
-                         phased=True)
+                         phased=True, phases=functools.partial(
+                             after_uncompressed, first=cfg.compress_after, inner=comm.phases))
 
 
 #: The names `transforms.compressed_all_reduce` runs with one compressor.
@@ -196,9 +239,15 @@ def _communication(name: str, cfg, axis_name, key, block_specs=None) -> Communic
     if name == "powersgd":
         return Communication(transforms.powersgd(axis_name, rank=cfg.powersgd_rank, key=key,
                                                  start_iter=cfg.powersgd_start),
-                             phased=cfg.powersgd_start > 0)
+                             phased=cfg.powersgd_start > 0,
+                             phases=functools.partial(transforms.powersgd_phases,
+                                                      start_iter=cfg.powersgd_start))
     if name == "gradiveq":
-        return Communication(gradiveq_transform(cfg, axis_name, key), phased=True)
+        return Communication(gradiveq_transform(cfg, axis_name, key), phased=True,
+                             phases=functools.partial(
+                                 transforms.gradiveq_phases, warmup_steps=cfg.gradiveq_warmup,
+                                 sample_steps=cfg.gradiveq_sample_steps,
+                                 compressed_steps=cfg.gradiveq_compressed_steps))
     raise ValueError(f"unknown compressor {name!r}")
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import pathlib
 import re
 import typing
 
@@ -161,8 +163,11 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("learning_rate", "epochs", "threshold_tau"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a finite number > 0, "
+                                 f"got {getattr(self, name)!r}")
+        check_folder("output_dir", self.output_dir)
+        check_folder("checkpoint_dir", self.checkpoint_dir)
         if tuple(self.mesh) not in (("data",), ("node", "local")):
             raise ValueError(f"mesh must be 'data' or 'node,local', got {','.join(self.mesh)!r}")
         if self.exchange not in ("permute", "all_to_all"):
@@ -219,6 +224,21 @@ class TrainConfig:
     @property
     def compressor_names(self) -> tuple[str, ...]:
         return COMPRESSOR_NAMES if "all" in self.compressors else self.compressors
+
+
+def check_folder(name: str, path: str) -> None:
+    """Raises ValueError naming ``name`` when ``path`` (a folder the run writes,
+    made if missing) is a file or lies under one: found now, not when the
+    results are written after training. ``""`` passes."""
+    if not path:
+        return
+    for place in (pathlib.Path(path), *pathlib.Path(path).parents):
+        if place.exists():
+            if not place.is_dir():
+                where = "is a file" if place == pathlib.Path(path) else f"is under the file {place}"
+                raise ValueError(f"{name} must be a folder (made if missing), but {path!r} "
+                                 f"{where}")
+            return
 
 
 def parse_bool(text: str) -> bool:

@@ -15,9 +15,10 @@ def simulate_cpu_devices(default: int = 8):
     already; real GPUs or TPUs are used as they are. Must run before JAX
     creates its backends (before the first ``jax.devices()``).
 
-    In a process started by ``python -m qcollect.launch`` it calls
-    `qcollect.launch.initialize` instead, which sets the launcher's device
-    count per process and joins the job (``jax.distributed``).
+    In a multi-process job (``python -m qcollect.launch``, SLURM's ``srun``,
+    Open MPI's ``mpirun``, ...) `qcollect.launch.initialize` joins it instead
+    (``jax.distributed``), with ``QCOLLECT_DEVICES_PER_PROCESS`` devices per
+    process where set.
     """
     import qcollect.launch
 
@@ -26,8 +27,7 @@ def simulate_cpu_devices(default: int = 8):
     # OpenBLAS thread halved a GradiVeQ run at width 2048 on 2 cores (38 s to
     # 19 s for 12 steps with two refits).
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    if qcollect.launch.is_launched():
-        qcollect.launch.initialize()
+    if qcollect.launch.initialize():
         return
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" in flags:

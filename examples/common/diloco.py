@@ -11,7 +11,8 @@ round without fragments is the global model itself.
 
 Bytes: only synchronising steps send; `round_bytes` measures what one round
 sends (each fragment's all-reduce compiled alone) and a run's
-``wire_bytes`` is that over H, the mean per step.
+``wire_bytes`` is that over H, the mean per step (`mean_bytes`, which adds
+the exact all-reduces of ``diloco_sync_first`` synchronous steps first).
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ class DiLoCoParallel(DataParallel):
     def transformation(self, comm: Communication, optimizer) -> optax.GradientTransformation:
         return transforms.diloco(self.axis, inner=optimizer, every=self.cfg.diloco_every,
                                  outer=self.outer(), reduce=comm.tx,
-                                 fragments=self.cfg.fragments, delay=self.cfg.diloco_delay)
+                                 fragments=self.cfg.fragments, delay=self.cfg.diloco_delay,
+                                 sync_first=self.cfg.diloco_sync_first)
 
     def place(self, params):
         """One replica per device: ``(N, ...)`` on ``P("data")``."""
@@ -85,7 +87,7 @@ class DiLoCoParallel(DataParallel):
         axis = self.axis
 
         def body(replicas, state, x, y):
-            params = jax.tree.map(lambda a: a[0], replicas)
+            params = transforms.local_replica(replicas, axis)
             loss, grads = self.grads(params, x, y)
             updates, state = tx.update(grads, state, params)
             params = optax.apply_updates(params, updates)
@@ -98,6 +100,17 @@ class DiLoCoParallel(DataParallel):
     def full(self, params):
         """The replicas' mean, replicated (for evaluation)."""
         return on_every_device(params, self.mesh, mean_of_replicas=True)
+
+    def mean_bytes(self, name: str, key, steps: int) -> int:
+        """Bytes per device per step over a run of ``steps``: the
+        ``diloco_sync_first`` synchronous steps (an exact all-reduce each),
+        then a round's bytes every H steps."""
+        warm = self.cfg.diloco_sync_first
+        exact = self.replicated.communication("none", self.cfg, key)
+        rounds = (steps - warm) / self.cfg.diloco_every
+        total = (warm * update_bytes(self.replicated, exact.tx, self.params)
+                 + rounds * self.round_bytes(name, key))
+        return round(total / steps)
 
     def round_bytes(self, name: str, key) -> int:
         """Bytes per device of one round: each fragment's all-reduce of its

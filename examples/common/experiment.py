@@ -89,12 +89,18 @@ def data_parallel(cfg, model, mesh) -> DataParallel:
     return DataParallel(model, mesh)
 
 
+def devices_line(dp: DataParallel) -> str:
+    """``"N devices (mesh shape, platform)"``, with the process count when several."""
+    shape = " x ".join(f"{size} {name}" for name, size in dp.mesh.shape.items())
+    processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    return f"{dp.mesh.size} devices{processes} ({shape}, {jax.devices()[0].platform})"
+
+
 def describe(dp: DataParallel, data, cfg, title: str) -> str:
     """One line: parameters, devices, mesh, platform, training images, global batch."""
     params = sum(x.size for x in jax.tree.leaves(dp.params))
-    shape = " x ".join(f"{size} {name}" for name, size in dp.mesh.shape.items())
-    return (f"{title}: {params:,} parameters, {dp.mesh.size} devices ({shape}, "
-            f"{jax.devices()[0].platform}), {len(data.x_train):,} training images "
+    return (f"{title}: {params:,} parameters, {devices_line(dp)}, "
+            f"{len(data.x_train):,} training images "
             f"({data.source}), global batch {cfg.batch_size * dp.num_devices}")
 
 

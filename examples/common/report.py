@@ -65,6 +65,38 @@ def axis_table(results) -> str | None:
     return "\n".join(rows)
 
 
+def phase_text(result) -> str | None:
+    """Which phase a phased run spent how many steps in, and each phase's
+    measured bytes per step and device (``RunResult.phases`` and
+    ``RunResult.wire_bytes_by_phase``); None for a run of one phase.
+    Phases the step holds but the run never reached count 0 steps.
+
+    Example:
+      >>> from common.train import RunResult
+      >>> r = RunResult("powersgd", [], [], [], 1_000, 20_000, 0.0, 0.0)
+      >>> r.wire_bytes_by_phase = {"compressed": 1_000, "warm-up": 20_000}
+      >>> r.phases = [["warm-up", 0, 10], ["compressed", 10, 600]]
+      >>> phase_text(r)
+      '10 warm-up steps at 20,000; 590 compressed at 1,000'
+      >>> r.phases = [["warm-up", 0, 300]]
+      >>> phase_text(r)
+      '300 warm-up steps at 20,000; 0 compressed at 1,000'
+    """
+    sent = result.wire_bytes_by_phase
+    if len(sent) < 2 or not result.phases:
+        return None
+    steps: dict[str, int] = {}
+    for name, start, stop in result.phases:
+        steps[name] = steps.get(name, 0) + stop - start
+    if not set(steps) <= set(sent):
+        return None  # a schedule the step's marks do not name
+    for name in sent:
+        steps.setdefault(name, 0)
+    parts = [f"{count} {name}" + ("" if i else " step" if count == 1 else " steps")
+             + f" at {sent[name]:,}" for i, (name, count) in enumerate(steps.items())]
+    return "; ".join(parts)
+
+
 def accuracy_column(result) -> str:
     """The MNIST tables' metric: the final test accuracy in percent."""
     return f"{100 * result.final_accuracy:.2f}%"
@@ -73,7 +105,9 @@ def accuracy_column(result) -> str:
 def table(results, baseline_bytes: int | None, *, metric=("test accuracy", accuracy_column),
           extra=(), baseline: str = "pmean") -> str:
     """A markdown table: the metric, wire bytes (and those across nodes on a
-    ``node,local`` mesh), ratio to ``lax.pmean``, step time.
+    ``node,local`` mesh), ratio to ``lax.pmean``, step time. A phased
+    all-reduce shows its cheapest phase, then in brackets the steps it spent
+    in each phase and their bytes (`phase_text`).
 
     Args:
       results: `common.train.RunResult` of each run.
@@ -92,7 +126,10 @@ def table(results, baseline_bytes: int | None, *, metric=("test accuracy", accur
     for r in results:
         x = ratio(r, baseline_bytes)
         wire = f"{r.wire_bytes:,}"
-        if r.wire_bytes_max != r.wire_bytes:
+        phases = phase_text(r)
+        if phases is not None:
+            wire += f" ({phases})"
+        elif r.wire_bytes_max != r.wire_bytes:
             wire += f" (up to {r.wire_bytes_max:,} in other phases)"
         cross = f" {across_nodes(r) or 0:,} |" if nodes else ""
         more = "".join(f" {column(r)} |" for _, column in extra)

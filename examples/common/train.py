@@ -35,6 +35,7 @@ import dataclasses
 import functools
 import statistics
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +74,15 @@ class RunResult:
       wire_bytes_max: the costliest phase (equal to ``wire_bytes`` unless
         phased: PowerSGD's uncompressed start; for GradiVeQ its QSGD sampling
         steps and its PCA steps, whichever sends more).
+      wire_bytes_by_phase: each phase's bytes per step and device, by the
+        names the transformation marks them with
+        (`qcollect.wire_bytes_by_phase` of the compiled step: PowerSGD's
+        ``warm-up`` and ``compressed``, GradiVeQ's ``warm-up``, ``sampling``
+        and ``compressed``, ``uncompressed`` before ``cfg.compress_after``);
+        empty for an all-reduce of one phase.
+      phases: the run's schedule, ``[name, start, stop]`` for each run of
+        steps ``start .. stop - 1`` in one phase (`Communication.phases`);
+        empty for an all-reduce of one phase.
       wire_bytes_by_axis: ``wire_bytes`` split by the mesh axes the
         collectives run over (`qcollect.wire_bytes_by_axis`), keys joined by
         commas: ``{"node": ..., "local": ...}`` for a hierarchical
@@ -102,6 +112,8 @@ class RunResult:
     wire_bytes_by_op: dict = dataclasses.field(default_factory=dict)
     memory: dict = dataclasses.field(default_factory=dict)
     mean_step_seconds: float = float("nan")
+    wire_bytes_by_phase: dict = dataclasses.field(default_factory=dict)
+    phases: list = dataclasses.field(default_factory=list)
 
     @property
     def final_accuracy(self) -> float:
@@ -345,6 +357,8 @@ def train(dp: DataParallel, name: str, cfg, data, *, progress=None,
     opt_state = dp.init(tx, params)
     step = dp.step(tx, opt_state, replicated=comm.replicated)
     total = run_length(cfg, task.train_size, dp.num_devices)
+    schedule = comm.phases(total) if comm.phases is not None else ()
+    warn_if_never_compressed(name, schedule, total)
     every = cfg.eval_every or max(1, total // 20)
     global_batch = cfg.batch_size * dp.num_devices
     ckpt = Checkpoints(cfg.checkpoint_dir, name, dp.axis) if cfg.checkpoint_dir else None
@@ -409,12 +423,39 @@ def train(dp: DataParallel, name: str, cfg, data, *, progress=None,
     for op in qc.wire_report(step, *args, branches=branches):
         result.wire_bytes_by_op[op.op] = (result.wire_bytes_by_op.get(op.op, 0)
                                           + int(op.bytes_per_call * op.multiplicity))
+    result.wire_bytes_by_phase = qc.wire_bytes_by_phase(step, *args) if comm.phased else {}
+    result.phases = [list(span) for span in schedule]
     result.memory = dp.memory(params, opt_state)
     result.compiles = len(compiled)
     result.step_seconds = statistics.median(times) if times else float("nan")
     result.mean_step_seconds = statistics.fmean(times) if times else float("nan")
     result.total_seconds = time.perf_counter() - start
     return result
+
+
+def warn_if_never_compressed(name: str, schedule, total: int) -> None:
+    """A `UserWarning` when a phased all-reduce's schedule has steps but none
+    of them compressed: the run ends in its warm-up (PowerSGD's
+    ``--powersgd-start``, GradiVeQ's warm-up and first sampling steps,
+    ``--compress-after``), and its cheapest phase, which the table leads with,
+    never ran.
+
+    Example:
+      >>> import warnings, transforms
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...     warnings.simplefilter("always")
+      ...     warn_if_never_compressed("powersgd",
+      ...                              transforms.powersgd_phases(300, start_iter=1000), 300)
+      >>> print(caught[0].message)
+      powersgd: the run's 300 steps end before its first compressed step (300 warm-up); ...
+    """
+    steps = transforms.steps_per_phase(schedule)
+    if not steps or steps.get("compressed", 0):
+        return
+    spent = ", ".join(f"{count} {phase}" for phase, count in steps.items())
+    warnings.warn(f"{name}: the run's {total} steps end before its first compressed step "
+                  f"({spent}); it sends its warm-up's bytes every step. Shorten the "
+                  "warm-up or run longer.", UserWarning, stacklevel=3)
 
 
 def with_image_shape(data, shape):

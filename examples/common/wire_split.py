@@ -9,16 +9,16 @@ gradient tree, and measured the same way: the leaves it compresses
 uncompressed (``lax.pmean``: LayerNorm scales, biases, leaves under
 ``cfg.min_size``). A collective never mixes the two parts (the all-reduces
 fuse only leaves of one compressor), so they add up to the step's bytes.
-Phased all-reduces (PowerSGD, GradiVeQ) are measured in the phase `train`
+Phased all-reduces (PowerSGD, GradiVeQ) are split in the phase `train`
 reports, the cheapest.
 
 The entropy quantizer's step is planned on the host per batch
 (`common.entropy_plan`), which this compile does not see: its compressed
 part is the step's bytes minus the measured uncompressed part.
 
-`phase_bytes` gives each phase's bytes per step (`qcollect.wire_bytes`
-counts the cheapest or the costliest branch of a conditional, and says
-nothing of which phase that is).
+`phase_bytes` gives each phase's bytes per step by name, as `train`
+measured them on the compiled step (`qcollect.wire_bytes_by_phase` reads
+the phase marks of the transformations' branches).
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
 import transforms
-from common.compressors import compressed_leaves, gradiveq_transform
-from common.config import COMPUTE_ONLY
+from common.compressors import compressed_leaves
 
 
 def part(tree, keep: list[bool]):
@@ -91,35 +90,24 @@ def wire_split(dp, name: str, cfg, total: int) -> tuple[int, int]:
     return update_bytes(dp, comm.tx, part(dp.params, keep), branches), uncompressed
 
 
-def phase_bytes(dp, name: str, cfg, result) -> dict[str, int]:
-    """Measured bytes per step and device of each phase of ``name``'s all-reduce.
+def phase_bytes(result) -> dict[str, int]:
+    """Measured bytes per step and device of each phase of a run's all-reduce.
 
-    ``{"steady": ...}`` for an all-reduce of one phase. PowerSGD with
-    ``cfg.powersgd_start > 0``, and any compressor with ``cfg.compress_after >
-    0``: ``{"uncompressed": ..., "compressed": ...}``,
-    the costliest and the cheapest branch (its uncompressed phase averages
-    every leaf; it compresses a leaf only when that at least halves it).
-    GradiVeQ: ``{"qsgd": ..., "pca": ...}``, its warm-up and sampling steps
-    (QSGD) and its compressed steps: the two branches of ``result`` are told
-    apart by compiling GradiVeQ once more with exact (``psum``) warm-up and
-    sampling steps, whose cheaper branch is the same PCA branch.
+    ``RunResult.wire_bytes_by_phase``, by the names the transformation
+    marks its phases with (`qcollect.wire_bytes_by_phase` of the compiled
+    step): PowerSGD ``{"warm-up": ..., "compressed": ...}``, GradiVeQ
+    ``{"warm-up": ..., "sampling": ..., "compressed": ...}``, and
+    ``"uncompressed"`` for the steps before ``cfg.compress_after``;
+    ``{"steady": ...}`` for an all-reduce of one phase. ``RunResult.phases``
+    says which steps fall in which.
 
-    Args:
-      dp: the `common.train.DataParallel` of the run.
-      name: its compressor name.
-      cfg: its `TrainConfig`.
-      result: its `common.train.RunResult` (``wire_bytes``: the cheapest
-        phase, ``wire_bytes_max``: the costliest).
+    Example:
+      >>> from common.train import RunResult
+      >>> r = RunResult("qsgd-4", [], [], [], 100, 100, 0.0, 0.0)
+      >>> phase_bytes(r)
+      {'steady': 100}
+      >>> r.wire_bytes_by_phase = {"compressed": 100, "uncompressed": 800}
+      >>> phase_bytes(r)
+      {'compressed': 100, 'uncompressed': 800}
     """
-    low, high = result.wire_bytes, result.wire_bytes_max
-    if (name == "powersgd" and cfg.powersgd_start > 0
-            or cfg.compress_after > 0 and name not in ("none", COMPUTE_ONLY)):
-        return {"uncompressed": high, "compressed": low}
-    if name != "gradiveq":
-        return {"steady": low}
-    exact = gradiveq_transform(cfg, dp.axis, jax.random.key(cfg.seed), sample_compressor=None)
-    pca = update_bytes(dp, exact, dp.params, "min")
-    if pca not in (low, high):
-        raise ValueError(f"GradiVeQ's compressed phase sends {pca} bytes, neither of the "
-                         f"step's phases ({low}, {high})")
-    return {"qsgd": high if pca == low else low, "pca": pca}
+    return dict(result.wire_bytes_by_phase) or {"steady": result.wire_bytes}

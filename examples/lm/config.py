@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from common.config import TrainConfig
 
@@ -42,6 +43,9 @@ class Config(TrainConfig):
         application (tau, mixed half and half with the local values).
       outer_lr / outer_momentum: the outer SGD's step and Nesterov momentum
         (the paper's 0.7 and 0.9; momentum 0: plain SGD).
+      diloco_sync_first: synchronous data-parallel steps (exact mean, a
+        full all-reduce each) before the first round: the papers start
+        DiLoCo from a synchronously pretrained model.
     """
 
     compressors: tuple[str, ...] = ("none", "qsgd-4", "onebit", "powersgd", "gradiveq")
@@ -67,6 +71,7 @@ class Config(TrainConfig):
     diloco_delay: int = 0
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    diloco_sync_first: int = 0
 
     @property
     def extra_runs(self) -> tuple[str, ...]:
@@ -84,8 +89,10 @@ class Config(TrainConfig):
         if self.width % self.heads:
             raise ValueError(f"width must be a multiple of heads, got {self.width} and "
                              f"{self.heads}")
-        if self.warmup_steps < 0 or self.weight_decay < 0 or not self.clip_norm > 0:
-            raise ValueError(f"warmup_steps and weight_decay must be >= 0 and clip_norm > 0, "
+        if (self.warmup_steps < 0 or not 0 <= self.weight_decay < math.inf
+                or not 0 < self.clip_norm < math.inf):
+            raise ValueError(f"warmup_steps and weight_decay must be >= 0 and clip_norm > 0 "
+                             f"(finite), "
                              f"got {self.warmup_steps}, {self.weight_decay}, {self.clip_norm}")
         for name in ("train_examples", "test_examples", "data_dir"):
             if getattr(self, name):
@@ -108,8 +115,11 @@ class Config(TrainConfig):
         if self.diloco_delay and not 0 < self.diloco_delay < self.diloco_every // self.fragments:
             raise ValueError(f"diloco_delay must be in [0, diloco_every // fragments), got "
                              f"{self.diloco_delay}")
-        if not self.outer_lr > 0 or not 0 <= self.outer_momentum < 1:
-            raise ValueError(f"outer_lr must be > 0 and outer_momentum in [0, 1), got "
+        if not 0 <= self.diloco_sync_first < self.steps:
+            raise ValueError(f"diloco_sync_first must be in [0, steps), got "
+                             f"{self.diloco_sync_first}")
+        if not 0 < self.outer_lr < math.inf or not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"outer_lr must be finite and > 0 and outer_momentum in [0, 1), got "
                              f"{self.outer_lr} and {self.outer_momentum}")
         if (tuple(self.mesh) != ("data",) or self.parallel != "replicated"
                 or self.model_parallel > 1 or self.checkpoint_dir or self.compress_after):

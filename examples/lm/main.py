@@ -34,6 +34,7 @@ from common.config import parse_config  # noqa: E402
 from common.experiment import (  # noqa: E402
     baseline_bytes,
     data_parallel,
+    devices_line,
     mesh_of,
     progress_bar,
     train_each,
@@ -69,9 +70,8 @@ def make_lm_optimizer(cfg, total_steps: int, axis=None) -> optax.GradientTransfo
 def describe(dp: DataParallel, corpus: dict, cfg, title: str) -> str:
     """One line: parameters, devices, mesh, platform, training bytes, global batch."""
     params = sum(x.size for x in jax.tree.leaves(dp.params))
-    shape = " x ".join(f"{size} {name}" for name, size in dp.mesh.shape.items())
-    return (f"{title}: {params:,} parameters, {dp.mesh.size} devices ({shape}, "
-            f"{jax.devices()[0].platform}), {corpus['train_bytes']:,} training bytes ("
+    return (f"{title}: {params:,} parameters, {devices_line(dp)}, "
+            f"{corpus['train_bytes']:,} training bytes ("
             f"in {corpus['train_files']} .py files: {corpus['source']}), global batch "
             f"{cfg.batch_size * dp.num_devices} x {cfg.context} bytes")
 
@@ -105,7 +105,7 @@ def run(cfg: Config, corpus=None):
         phases = {r.name: {"steady": r.wire_bytes} for r in results}
     else:
         splits = {r.name: wire_split(dp, r.name, cfg, r.wire_bytes) for r in results}
-        phases = {r.name: phase_bytes(dp, r.name, cfg, r) for r in results}
+        phases = {r.name: phase_bytes(r) for r in results}
     for r, ddp in diloco_runs(cfg, mesh, task, lead, optimizer):
         results.append(r)  # the split of one whole-model exchange, over H
         whole = wire_split(ddp.replicated, r.name.removeprefix("diloco-"), cfg, 0)
@@ -126,7 +126,7 @@ def run(cfg: Config, corpus=None):
 def diloco_runs(cfg: Config, mesh, task, lead: bool, optimizer) -> list:
     """``(result, its DiLoCoParallel)`` of one DiLoCo run per name of
     ``cfg.extra_runs`` (`common.diloco`), named ``diloco-<name>``; its
-    ``wire_bytes`` are a round's bytes over H (the mean per step),
+    ``wire_bytes`` are the mean per step (`DiLoCoParallel.mean_bytes`),
     ``wire_bytes_max`` a synchronising step's."""
     if not cfg.extra_runs:
         return []
@@ -137,9 +137,8 @@ def diloco_runs(cfg: Config, mesh, task, lead: bool, optimizer) -> list:
     out = []
     for name in cfg.extra_runs:
         r = train(ddp, name, cfg, task, progress=bar, optimizer=optimizer)
-        per_round = ddp.round_bytes(name, jax.random.key(cfg.seed))
         r.name = f"diloco-{name}"
-        r.wire_bytes = round(per_round / cfg.diloco_every)
+        r.wire_bytes = ddp.mean_bytes(name, jax.random.key(cfg.seed), r.steps[-1])
         out.append((r, ddp))
     return out
 

@@ -2,12 +2,11 @@
 
 Bytes sent are measured (`RunResult.wire_bytes`, `common.wire_split`), never
 computed from the config. The cumulative bytes of a run add each step's
-measured cost (`common.wire_split.phase_bytes`): for PowerSGD its
-uncompressed phase for the first ``powersgd_start`` steps, then its
-compressed phase; for GradiVeQ its QSGD phase for the warm-up and the first
-``gradiveq_sample_steps`` of every cycle of ``gradiveq_sample_steps +
-gradiveq_compressed_steps``, its PCA phase for the rest (the example sets
-no stop-early vote, so that schedule is exact).
+measured cost: the bytes of the phase the step falls in
+(`common.wire_split.phase_bytes`, measured on the compiled step by phase
+name) on the run's schedule (`RunResult.phases`, from the transformation's
+own: `transforms.powersgd_phases`, `transforms.gradiveq_phases`; the example
+sets no stop-early vote, so GradiVeQ's schedule is exact).
 """
 
 from __future__ import annotations
@@ -22,44 +21,43 @@ from common.config import COMPUTE_ONLY
 from matplotlib.figure import Figure
 
 
-def bytes_per_step(name: str, phases: dict, cfg, steps: int) -> np.ndarray:
-    """What each device sends at each step ``0 .. steps - 1`` of run ``name``,
-    from its measured ``phases`` (`common.wire_split.phase_bytes`).
+def bytes_per_step(schedule, phases: dict, steps: int) -> np.ndarray:
+    """What each device sends at each step ``0 .. steps - 1`` of a run, from
+    its schedule (``RunResult.phases``: ``[name, start, stop]`` runs) and
+    each phase's measured bytes (`common.wire_split.phase_bytes`).
 
     Example:
-      >>> from lm.config import Config
-      >>> phases = {"uncompressed": 40, "compressed": 10}
-      >>> bytes_per_step("powersgd", phases, Config(powersgd_start=2), 4).tolist()
+      >>> schedule = [["warm-up", 0, 2], ["compressed", 2, 4]]
+      >>> bytes_per_step(schedule, {"warm-up": 40, "compressed": 10}, 4).tolist()
       [40, 40, 10, 10]
+      >>> bytes_per_step([], {"steady": 7}, 3).tolist()
+      [7, 7, 7]
     """
-    step = np.arange(steps)
     if "steady" in phases:
         return np.full(steps, phases["steady"], np.int64)
-    if "uncompressed" in phases:
-        first = cfg.compress_after + (cfg.powersgd_start if name == "powersgd" else 0)
-        return np.where(step < first, phases["uncompressed"],
-                        phases["compressed"]).astype(np.int64)
-    since = step - cfg.gradiveq_warmup
-    cycle = cfg.gradiveq_sample_steps + cfg.gradiveq_compressed_steps
-    sampling = (since < 0) | (since % cycle < cfg.gradiveq_sample_steps)
-    return np.where(sampling, phases["qsgd"], phases["pca"]).astype(np.int64)
+    out = np.zeros(steps, np.int64)
+    for name, start, stop in schedule:
+        out[start:stop] = phases[name]
+    return out
 
 
-def bytes_sent(result, phases: dict, cfg) -> list[int]:
+def bytes_sent(result, phases: dict) -> list[int]:
     """Cumulative bytes sent per device at each evaluation step of ``result``."""
-    per_step = bytes_per_step(result.name, phases, cfg, max(result.steps))
+    per_step = bytes_per_step(result.phases, phases, max(result.steps))
     total = np.concatenate([[0], np.cumsum(per_step)])
     return [int(total[s]) for s in result.steps]
 
 
-def record(result, split: tuple[int, int], phases: dict, cfg) -> dict:
+def record(result, split: tuple[int, int], phases: dict) -> dict:
     """One run as JSON: the `RunResult` fields, ``val_bits_per_byte`` for its
-    ``accuracy``, the compressed / uncompressed split, the phases' bytes and
-    the cumulative bytes sent at each evaluation."""
+    ``accuracy``, the compressed / uncompressed split, the phases' bytes
+    (``phase_bytes``), its schedule (``phases``) and the cumulative bytes
+    sent at each evaluation."""
     run = dataclasses.asdict(result)
+    run.pop("wire_bytes_by_phase")  # as phase_bytes
     out = {"name": run.pop("name"), "steps": run.pop("steps"),
            "val_bits_per_byte": run.pop("accuracy"),
-           "bytes_sent": bytes_sent(result, phases, cfg), "losses": run.pop("losses"),
+           "bytes_sent": bytes_sent(result, phases), "losses": run.pop("losses"),
            "wire_bytes": run.pop("wire_bytes"), "wire_bytes_compressed": split[0],
            "wire_bytes_uncompressed": split[1], "phase_bytes": phases}
     return out | run
@@ -173,14 +171,14 @@ def fsdp_table(results, baseline_bytes: int) -> str:
     return "\n".join(rows)
 
 
-def plot(results, phases: dict, cfg, path, title: str):
+def plot(results, phases: dict, path, title: str):
     """Validation bits per byte against steps and against cumulative bytes sent."""
     fig = Figure(figsize=(11, 4.5), dpi=100)  # no pyplot: leaves the caller's backend alone
     by_step, by_bytes = fig.subplots(1, 2, sharey=True)
     results = [r for r in results if r.name != COMPUTE_ONLY]  # replicas drifted apart
     for r in results:
         by_step.plot(r.steps, r.accuracy, marker=".", label=r.name)
-        sent = np.asarray(bytes_sent(r, phases[r.name], cfg), float)
+        sent = np.asarray(bytes_sent(r, phases[r.name]), float)
         seen = sent > 0  # the log axis: from the first step on
         by_bytes.plot(sent[seen] / 2**20, np.asarray(r.accuracy)[seen], marker=".", label=r.name)
     best = min(min(r.accuracy) for r in results)
@@ -216,10 +214,10 @@ def save(results, splits: dict, phases: dict, baseline_bytes, cfg, corpus: dict,
     (out / f"{stem}.md").write_text(text + "\n")
     doc = {"config": dataclasses.asdict(cfg), "corpus": corpus,
            "baseline_wire_bytes": baseline_bytes,
-           "runs": [record(r, splits[r.name], phases[r.name], cfg) for r in results]}
+           "runs": [record(r, splits[r.name], phases[r.name]) for r in results]}
     beyond = beyond_compute(results)
     for run in doc["runs"] if beyond is not None else ():
         run["step_seconds_beyond_compute"] = beyond[run["name"]]
     (out / f"{stem}.json").write_text(json.dumps(doc, indent=1))
-    plot(results, phases, cfg, out / f"{stem}.png", title)
+    plot(results, phases, out / f"{stem}.png", title)
     return {"table": out / f"{stem}.md", "json": out / f"{stem}.json", "plot": out / f"{stem}.png"}

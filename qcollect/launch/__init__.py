@@ -9,7 +9,7 @@ by ``jax.distributed`` with Gloo CPU collectives::
 The script calls `initialize` first, before any other JAX use::
 
     import qcollect.launch
-    qcollect.launch.initialize()      # no-op when not started by the launcher
+    qcollect.launch.initialize()      # joins the job; alone: a single process
     import jax
     mesh = jax.make_mesh((jax.device_count(),), ("data",))   # N * K devices
 
@@ -46,9 +46,10 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import threading
 
-from qcollect.launch import _env
+from qcollect.launch import _cluster, _env
 from qcollect.launch._args import parse_delay, parse_rate
 
 __all__ = ["initialize", "is_launched", "main", "parse_delay", "parse_rate"]
@@ -63,67 +64,106 @@ def is_launched() -> bool:
     return all(v in os.environ for v in (_env.COORDINATOR, _env.NUM_PROCESSES, _env.PROCESS_ID))
 
 
-def _set_xla_flags(count: int, collective_timeout: float) -> None:
-    """Device count ``count`` (replacing one already set) and, when
+def _set_xla_flags(count: int | None, collective_timeout: float) -> None:
+    """Device count ``count`` (replacing one already set; None: as set) and, when
     ``collective_timeout`` > 0 and none is set, XLA's CPU collective timeout."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    flags.append(f"--xla_force_host_platform_device_count={count}")
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    if count is not None:
+        flags = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
+        flags.append(f"--xla_force_host_platform_device_count={count}")
     if collective_timeout > 0 and not any(f.startswith(_COLLECTIVE_TIMEOUT_FLAG) for f in flags):
         flags.append(f"{_COLLECTIVE_TIMEOUT_FLAG}={max(1, math.ceil(collective_timeout))}")
     os.environ["XLA_FLAGS"] = " ".join(flags)
 
 
-def initialize() -> bool:
-    """Joins the launched job: devices, Gloo CPU collectives, ``jax.distributed``.
+def initialize(cluster: str | None = None) -> bool:
+    """Joins the job this process is part of: devices, Gloo CPU collectives, ``jax.distributed``.
 
-    In a process started by ``python -m qcollect.launch``: sets
-    ``--xla_force_host_platform_device_count=K`` in ``XLA_FLAGS`` (replacing a
-    count already there) and, unless ``XLA_FLAGS`` sets one, the CPU collective
-    timeout ``--xla_cpu_collective_timeout_seconds`` to the launcher's
-    ``--stall-timeout`` (a collective whose peer does not arrive in time then
-    raises instead of waiting); selects Gloo for CPU collectives
+    Which job (`qcollect.launch._cluster.detect`): one started by ``python -m
+    qcollect.launch``; else a cluster launcher's, found by JAX's cluster
+    detection: a task of SLURM's ``srun``, a rank of Open MPI's ``mpirun``, a
+    rank of another MPI launcher through mpi4py, a pod of a Kubernetes
+    indexed job. With none, the process runs alone and says so once on
+    stderr; ``cluster="none"`` (or ``QCOLLECT_CLUSTER=none``) asks for that
+    without the message, whatever the environment holds.
+
+    Joining sets ``--xla_force_host_platform_device_count`` in ``XLA_FLAGS``
+    to ``QCOLLECT_DEVICES_PER_PROCESS`` (the launcher's
+    ``--devices-per-process``; under a cluster launcher only when set, else
+    the flags stay as they are) and, unless ``XLA_FLAGS`` sets one, the CPU
+    collective timeout ``--xla_cpu_collective_timeout_seconds`` to
+    ``QCOLLECT_STALL_TIMEOUT`` (the launcher's ``--stall-timeout``: a
+    collective whose peer does not arrive in time then raises instead of
+    waiting); selects Gloo for CPU collectives
     (``jax_cpu_collectives_implementation``); calls
-    ``jax.distributed.initialize(coordinator, N, rank)``; and restores the
-    SIGTERM handler it found (the default action, normally), which
-    ``jax.distributed`` replaces by one that only records the signal.
-    Elsewhere it does nothing, so the same script also runs as a single
-    process. Calling it again after it joined is a no-op.
+    ``jax.distributed.initialize``; and restores the SIGTERM handler it
+    found (the default action, normally), which ``jax.distributed`` replaces
+    by one that only records the signal. Calling it again after it joined is
+    a no-op.
 
     Call it before any other JAX use (before the first ``jax.devices()`` or
     computation): device count and collectives are fixed when JAX creates its
     CPU backend.
 
+    Args:
+      cluster: ``"auto"`` (detect), ``"none"`` (a single process) or the
+        source to insist on (``"qcollect"``, ``"slurm"``, ``"ompi"``,
+        ``"mpi4py"``, ``"k8s"``); default ``$QCOLLECT_CLUSTER``, else auto.
+
     Returns:
-      True when it joined (or had joined) a launched job, False otherwise.
+      True when it joined (or had joined) a multi-process job, False for a
+      single process.
 
     Raises:
+      ValueError: an unknown ``cluster``; a chosen one that is absent; an
+        MPI or Kubernetes job whose Python package (mpi4py, kubernetes) is
+        missing.
       RuntimeError: JAX's backends already exist (``jax.distributed`` refuses).
 
     Example:
       >>> import qcollect.launch
-      >>> qcollect.launch.initialize()   # not launched: nothing happens
+      >>> qcollect.launch.initialize("none")   # a single process, as asked
       False
     """
-    if not is_launched():
+    job = _cluster.detect(cluster)
+    if job is None:
+        _say_single_once(cluster)
         return False
     import jax
 
     if jax.distributed.is_initialized():
         return True
-    _set_xla_flags(int(os.environ.get(_env.DEVICES_PER_PROCESS, "1")),
+    devices = os.environ.get(_env.DEVICES_PER_PROCESS)
+    _set_xla_flags(int(devices) if devices else None,
                    float(os.environ.get(_env.STALL_TIMEOUT, "0")))
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     main_thread = threading.current_thread() is threading.main_thread()
     handler = signal.getsignal(signal.SIGTERM) if main_thread else None
-    jax.distributed.initialize(coordinator_address=os.environ[_env.COORDINATOR],
-                               num_processes=int(os.environ[_env.NUM_PROCESSES]),
-                               process_id=int(os.environ[_env.PROCESS_ID]))
+    if job.source == "qcollect":
+        jax.distributed.initialize(coordinator_address=os.environ[_env.COORDINATOR],
+                                   num_processes=int(os.environ[_env.NUM_PROCESSES]),
+                                   process_id=int(os.environ[_env.PROCESS_ID]))
+    else:
+        jax.distributed.initialize(cluster_detection_method=job.source)
     # jax.distributed's preemption notifier catches SIGTERM and keeps running;
     # under the launcher SIGTERM means "stop now" (or what the script set up).
     if main_thread:
         signal.signal(signal.SIGTERM, signal.SIG_DFL if handler is None else handler)
     return True
+
+
+_said = threading.Event()
+
+
+def _say_single_once(cluster: str | None) -> None:
+    """One line on stderr, the first time only, unless a single process was asked for."""
+    asked = (cluster if cluster is not None else os.environ.get(_cluster.CLUSTER, "auto"))
+    if _said.is_set() or asked.strip().lower() != "auto":
+        return
+    _said.set()
+    print("qcollect.launch: no launcher or cluster job found (qcollect, SLURM srun, Open MPI, "
+          "MPI, Kubernetes indexed job): running as a single process "
+          f"({_cluster.CLUSTER}=none says so without this line)", file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> int:

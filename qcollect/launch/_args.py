@@ -73,7 +73,7 @@ def parse_delay(text: str, name: str = "--latency") -> int:
     return micros
 
 
-def _positive(name: str):
+def _positive(name: str, most: int | None = None, why: str = ""):
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -81,6 +81,8 @@ def _positive(name: str):
             value = 0
         if value < 1:
             raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}")
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"{name} must be at most {most}{why}, got {value}")
         return value
 
     return parse
@@ -97,6 +99,11 @@ def _typed(fn, name: str):
 
 
 NPROC_PER_CPU = 4
+# XLA numbers process p's CPU devices p * 2048 + i: a process with more would
+# give two devices the same id (jaxlib 0.10 fails creating the CPU client,
+# "RET_CHECK failure ... device_id_map_"). At 2048 a process needs about
+# 0.4 GB and starts in about a second.
+MAX_DEVICES_PER_PROCESS = 2048
 
 
 def nproc_limit() -> int:
@@ -114,8 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "before any other JAX use.")
     p.add_argument("--nproc", type=_positive("--nproc"), required=True,
                    help="number of processes")
-    p.add_argument("--devices-per-process", type=_positive("--devices-per-process"), default=1,
-                   metavar="K", help="simulated CPU devices per process (default 1)")
+    p.add_argument("--devices-per-process", default=1, metavar="K",
+                   type=_positive("--devices-per-process", MAX_DEVICES_PER_PROCESS,
+                                  " (XLA numbers each process's CPU devices in blocks of "
+                                  f"{MAX_DEVICES_PER_PROCESS})"),
+                   help="simulated CPU devices per process, 1 to "
+                        f"{MAX_DEVICES_PER_PROCESS} (default 1)")
     p.add_argument("--bandwidth", type=_typed(parse_rate, "--bandwidth"), metavar="RATE",
                    help="shape every process's link to RATE each way (tc units: 1gbit, "
                         "100mbit, ...); runs each process in its own network namespace "

@@ -13,10 +13,18 @@ import time
 
 from qcollect.launch import _env, _netns, _stall, _worker
 
+EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_STALLED = 124   # as timeout(1)
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _STALL_CHECK_SECONDS = 0.25
+# After the first failure: how long to gather the other processes' reports and
+# deaths before naming the one that failed first.
+SETTLE_SECONDS = 1.0
+# Starts of the job, each on a fresh port, while the coordinator's port is taken.
+PORT_ATTEMPTS = 3
+# What gRPC logs in process 0 (which then fails) when the coordinator's port is taken.
+_PORT_TAKEN_LOG = "Failed to add port to server"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -24,6 +32,20 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def reserve_port(host: str = "127.0.0.1") -> socket.socket:
+    """A socket bound to a free port of ``host``, held to keep the port free.
+
+    It does not listen, and has ``SO_REUSEADDR`` like the ``jax.distributed``
+    coordinator, which can therefore still serve on the port; but no program
+    can bind the port without ``SO_REUSEADDR`` meanwhile, nor the kernel give
+    it to an outgoing connection.
+    """
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, 0))
+    return s
 
 
 def _exit_status(returncode: int) -> int:
@@ -36,9 +58,9 @@ class _Forwarder(threading.Thread):
 
     lock = threading.Lock()
 
-    def __init__(self, pipe, sink, prefix: str):
+    def __init__(self, pipe, sink, prefix: str, watch=None):
         super().__init__(daemon=True)
-        self.pipe, self.sink, self.prefix = pipe, sink, prefix
+        self.pipe, self.sink, self.prefix, self.watch = pipe, sink, prefix, watch
 
     def run(self):
         with contextlib.suppress(ValueError, OSError):
@@ -46,6 +68,8 @@ class _Forwarder(threading.Thread):
                 line = raw.decode("utf-8", "replace")
                 if not line.endswith("\n"):
                     line += "\n"
+                if self.watch is not None:
+                    self.watch(line)
                 with self.lock:
                     self.sink.write(self.prefix + line)
                     self.sink.flush()
@@ -59,12 +83,39 @@ class _Interrupted(Exception):
         self.signum = signum
 
 
+class _PortTaken(Exception):
+    """Process 0 could not serve the coordinator: another program has its port."""
+
+
 class Launcher:
     """Runs ``nproc`` copies of a script and tears everything down afterwards.
 
     Ends the job at the first failure, at a stall (`qcollect.launch._stall`)
     or at SIGINT / SIGTERM; in every case it stops all workers and removes
     the shaped network.
+
+    A failure ends the job with the status of the process that failed
+    first, not of those that died of it: a peer of a failed process fails in
+    its next collective, and process 0 holds ``jax.distributed``'s service,
+    whose end aborts the others. Each worker reports how its script failed
+    with its own clock (`qcollect.launch._worker`), and a thread per worker
+    notes when it died; `SETTLE_SECONDS` after the first failure the
+    launcher names the earliest one, preferring a failure of its own over
+    one that only says a peer went away (a process killed by a signal cannot
+    report, and its peers' errors say they lost it).
+
+    The job also ends, with status 1, as soon as a process starts JAX
+    without joining it (its script does not call
+    `qcollect.launch.initialize`): such processes run as independent
+    single-process jobs with their own devices only, so a training script
+    would silently train N separate models, on one device each, whatever
+    ``--devices-per-process`` says; a user would rather learn that at once
+    than after the run. A process that finished its script while others
+    waited for it in JAX is named as having finished early
+    (`qcollect.launch._stall.finished_early`). The coordinator's port is
+    held from the moment it is chosen (`reserve_port`); if another program
+    still serves on it, process 0 says so and the job starts again on
+    another port, up to `PORT_ATTEMPTS` times.
 
     Args:
       args: the parsed command line (`qcollect.launch._args.parse_args`).
@@ -76,10 +127,14 @@ class Launcher:
         self.stdout = stdout or sys.stdout
         self.stderr = stderr or sys.stderr
         self.procs: list[subprocess.Popen] = []
-        self.threads: list[_Forwarder] = []
+        self.threads: list[threading.Thread] = []
         self.network: _netns.StarNetwork | None = None
         self.board: _stall.Board | None = None
         self.reaper: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+        self.deaths: dict[int, tuple[float, int]] = {}   # rank -> (time, returncode)
+        self.forwarders: dict[int, list[_Forwarder]] = {}
+        self.port_log = threading.Event()   # process 0 logged that its port is taken
 
     @property
     def shaped(self) -> bool:
@@ -103,6 +158,16 @@ class Launcher:
         return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, start_new_session=True,
                                 pass_fds=(report_fd,))
+
+    def _reap(self, rank: int, proc: subprocess.Popen) -> None:
+        """Waits for worker ``rank`` and notes when it died."""
+        code = proc.wait()
+        with self._lock:
+            self.deaths[rank] = (time.monotonic(), code)
+
+    def _watch_port(self, line: str) -> None:
+        if _PORT_TAKEN_LOG in line:
+            self.port_log.set()
 
     def _start(self, coordinator: str) -> None:
         """Starts and registers every worker with SIGINT and SIGTERM blocked, so
@@ -129,44 +194,115 @@ class Launcher:
                 finally:
                     os.close(write_fd)
                 self.procs.append(proc)
+                watch = self._watch_port if rank == 0 else None
                 for pipe, sink in ((proc.stdout, self.stdout), (proc.stderr, self.stderr)):
-                    t = _Forwarder(pipe, sink, f"[rank {rank}] ")
+                    t = _Forwarder(pipe, sink, f"[rank {rank}] ", watch)
                     t.start()
                     self.threads.append(t)
+                    self.forwarders.setdefault(rank, []).append(t)
+                reaper = threading.Thread(target=self._reap, args=(rank, proc), daemon=True)
+                reaper.start()
+                self.threads.append(reaper)
                 self.board.read(rank, open(read_fd, "rb"), time.monotonic)
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
 
+    def _failures(self, reports, deaths) -> list[tuple[bool, float, int, int]]:
+        """``(peer_lost, time, rank, status)`` of every process known to have failed."""
+        found = []
+        for rank in range(len(self.procs)):
+            report, death = reports[rank], deaths.get(rank)
+            status = None if death is None else _exit_status(death[1])
+            if report.state == "failed" and report.t is not None:
+                found.append((report.peer_lost, report.t, rank,
+                              report.status if status is None else status))
+            elif status:
+                found.append((False, death[0], rank, status))
+        return found
+
+    def _failed(self, failures, reports, now: float) -> int:
+        """Names the process that failed first and returns its status."""
+        _, _, rank, status = min(failures)
+        done = sorted(r for r, rep in reports.items() if rep.state == "done" and r != rank)
+        how = f"exited with status {status}"
+        barrier = (f"JAX's exit-time shutdown barrier (it gives up after "
+                   f"{_stall.JAX_SHUTDOWN_SECONDS} s)")
+        if reports[rank].state == "done":
+            how = (f"finished its script {now - reports[rank].at:.1f} s before, then {how} "
+                   f"in {barrier}, waiting for the others")
+        elif done:
+            age = now - min(reports[r].at for r in done)
+            how += (f" while {_stall.ranks(done)}, which finished {age:.1f} s before, waited "
+                    f"for it in {barrier}")
+        others = sorted(r for _, _, r, _ in failures if r != rank)
+        after = f" ({_stall.ranks(others)} failed after it)" if others else ""
+        self._say(f"rank {rank} {how}{after}; stopping the other processes")
+        return status
+
+    def _port_taken(self, reports, codes) -> bool:
+        """Process 0 exited because another program has the coordinator's port."""
+        return bool(codes) and codes[0] is not None and (
+            reports[0].state == "port" or self.port_log.is_set())
+
+    def _not_joined(self, ranks) -> int:
+        self._say(f"{_stall.ranks(ranks)} started JAX without joining the job: the script "
+                  "must call qcollect.launch.initialize() before any other JAX use, or each "
+                  "process runs alone on its own devices; stopping the processes")
+        return EXIT_FAILED
+
     def _wait(self) -> int:
         """Waits for all workers; the first failure or a stall stops the others."""
         timeout = self.args.stall_timeout
-        grace_end, running, next_check = None, [], 0.0
+        grace_end, running, next_check, settle_end, drained = None, [], 0.0, None, False
         while True:
-            codes = [p.poll() for p in self.procs]
             now = time.monotonic()
             reports = self.board.snapshot()
+            with self._lock:
+                deaths = dict(self.deaths)
+            codes = [deaths[r][1] if r in deaths else None for r in range(len(self.procs))]
             live = [r for r, c in enumerate(codes) if c is None]
+            if not live and not drained:
+                # Every worker exited: read what they reported last before deciding.
+                for t in self.board.threads:
+                    t.join(timeout=1.0)
+                drained, reports = True, self.board.snapshot()
             if grace_end is None:
+                if self._port_taken(reports, codes):
+                    raise _PortTaken()
+                alone = [r for r, rep in reports.items() if rep.joined is False]
+                if alone:
+                    return self._not_joined(alone)
                 timed_out = [r for r, rep in reports.items() if rep.state == "timeout"]
                 if timed_out:
                     # Detector 1: let the other waiting ranks time out as well.
                     grace_end = now + _stall.GRACE_SECONDS
                     running = [r for r, c in enumerate(codes) if c != 0]   # not finished
                     continue
-                failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-                if failed:
-                    rank, code = failed[0]
-                    self._say(f"rank {rank} exited with status {_exit_status(code)}; "
-                              "stopping the other processes")
-                    return _exit_status(code)
-                if all(c == 0 for c in codes):
+                failures = self._failures(reports, deaths)
+                if failures:
+                    settle_end = settle_end or now + SETTLE_SECONDS
+                    if now >= settle_end or not live:
+                        for t in self.forwarders.get(0, []) if codes[0] is not None else []:
+                            t.join(timeout=1.0)   # its last lines may say why it failed
+                        if self._port_taken(reports, codes):
+                            raise _PortTaken()
+                        return self._failed(failures, reports, now)
+                elif all(c == 0 for c in codes):
                     return 0
-                if timeout > 0 and now >= next_check:
+                elif timeout > 0 and now >= next_check:
                     next_check = now + _STALL_CHECK_SECONDS
+                    early = _stall.finished_early(reports, live, timeout, now)
+                    if early is not None:   # (maybe before the stall timeout: JAX's deadline)
+                        self._say(f"{early}; stopping the processes")
+                        return EXIT_STALLED
                     message = _stall.sampled_stall(reports, live, timeout, now)
                     if message is not None:
                         return self._stalled(message)
             elif now >= grace_end or not live:
+                setup = _stall.setup_stall(reports, running, now)
+                if setup is not None:
+                    self._say(f"{setup}; stopping the processes")
+                    return EXIT_STALLED
                 return self._stalled(_stall.timeout_stall(reports, running, now))
             time.sleep(0.05)
 
@@ -193,6 +329,13 @@ class Launcher:
         for t in self.threads + (self.board.threads if self.board else []):
             t.join(timeout=1.0)
 
+    def _restart(self) -> None:
+        """Stops every worker and forgets them, for another start of the job."""
+        self._stop()
+        self.procs, self.threads, self.board = [], [], None
+        self.deaths, self.forwarders = {}, {}
+        self.port_log.clear()
+
     def _sweep(self) -> None:
         """Removes the namespaces and hosts folders of launchers no longer running."""
         for pid, paths in sorted(_netns.stale().items()):
@@ -201,6 +344,25 @@ class Launcher:
             self._say(f"removed what launcher {pid}, no longer running, left: {names}")
             for error in errors:
                 self._say(f"cleanup: {error}")
+
+    def _run_job(self) -> int:
+        """Starts the workers on a reserved port, again on a new one while
+        process 0 finds its port taken; returns the exit status."""
+        taken = ""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            if attempt > 1:
+                self._say(f"{taken}; starting the processes again on another port")
+                self._restart()
+            with reserve_port() as held:
+                port = held.getsockname()[1]
+                host = "127.0.0.1" if self.network is None else self.network.address(0)
+                self._start(f"{host}:{port}")
+                try:
+                    return self._wait()
+                except _PortTaken:
+                    taken = f"the coordinator port {port} is taken by another program"
+        self._say(f"{taken} ({PORT_ATTEMPTS} ports tried); stopping the processes")
+        return EXIT_FAILED
 
     def run(self) -> int:
         """Runs the workers to completion; returns the launcher's exit status."""
@@ -232,11 +394,7 @@ class Launcher:
                 except _netns.NetworkSetupError as e:
                     self._say(f"could not build the shaped network: {e}")
                     return EXIT_USAGE
-                coordinator = f"{self.network.address(0)}:{free_port()}"
-            else:
-                coordinator = f"127.0.0.1:{free_port()}"
-            self._start(coordinator)
-            return self._wait()
+            return self._run_job()
         except _Interrupted as e:
             self._say(f"{e}: stopping the processes")
             return 128 + e.signum

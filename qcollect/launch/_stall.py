@@ -20,6 +20,20 @@ last report was neither a timeout nor an idle wait in JAX (outside JAX, busy
 computing in JAX, or not started). When there is none, every process waited:
 a deadlock, or a peer lost without exiting.
 
+A process that finished its script (it reports ``done``) while the others
+still wait for it is named the same way, as one that stopped arriving, and
+`finished_early` names it sooner when needed: such a process waits in JAX's
+exit-time shutdown barrier, which aborts every process `JAX_SHUTDOWN_SECONDS`
+after it got there (JAX 0.10 passes ``shutdown_timeout_seconds`` to the
+coordination service only; the client's own deadline for its shutdown call
+stays 300 s).
+
+A third deadline is Gloo's own and cannot be changed: the first collective
+over a set of devices connects its processes, and a process whose peer is
+more than 30 seconds late to it gives up, whatever the stall timeout
+(`qcollect.launch._worker.setup_timeout`). The worker reports it as a
+timeout naming the late process, and `setup_stall` says so.
+
 Reading the stack misses one kind of wait: a jitted call small enough for XLA
 to run inline blocks inside the C++ dispatch with no JAX frame on the Python
 stack, so it reads as the script's own code. Such a process still times out
@@ -34,6 +48,15 @@ import json
 import threading
 
 GRACE_SECONDS = 2.0
+# Gloo's context timeout: how long the first collective over a set of devices
+# waits for every process of it (fixed inside XLA's Gloo collectives).
+GLOO_SETUP_SECONDS = 30
+# How long a process that finished waits in JAX's exit-time shutdown barrier
+# before JAX aborts the job, and how much sooner `finished_early` speaks.
+JAX_SHUTDOWN_SECONDS = 300
+EARLY_FINISH_MARGIN = 30
+# States after which a worker sends nothing more (a late sample cannot replace them).
+FINAL_STATES = ("timeout", "failed", "done", "port")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,16 +65,30 @@ class Report:
 
     Attributes:
       state: ``"starting"`` (none yet), ``"user"`` (outside JAX), ``"jax"``
-        (inside JAX) or ``"timeout"`` (a collective failed on the timeout).
+        (inside JAX), ``"timeout"`` (a collective failed on the timeout),
+        ``"failed"`` (the script failed), ``"done"`` (the script returned)
+        or ``"port"`` (process 0 found the coordinator's port taken).
       seconds: how long the worker had been in ``state`` when it reported.
       wait: how long it had been blocked, idle, in one JAX call, or None.
       at: ``time.monotonic()`` of the launcher when the report arrived.
+      t: the worker's ``time.monotonic()`` when the script ended (final
+        states), the same clock for every process of the machine.
+      status: the exit status a ``"failed"`` worker is about to exit with.
+      joined: whether the script joined the job (`qcollect.launch._worker.joined`).
+      peer_lost: the failure only says that a peer went away.
+      late: for a timeout in Gloo's set-up, the processes that did not come
+        (None for other timeouts).
     """
 
     state: str
     seconds: float
     wait: float | None
     at: float
+    t: float | None = None
+    status: int | None = None
+    joined: bool | None = None
+    peer_lost: bool = False
+    late: tuple | None = None
 
     def state_age(self, now: float) -> float:
         return self.seconds + (now - self.at)
@@ -66,8 +103,14 @@ def parse(line: bytes, at: float) -> Report | None:
         record = json.loads(line)
         state = str(record["state"])
         seconds = float(record.get("for") or 0.0)
-        wait = record.get("wait")
-        return Report(state, seconds, None if wait is None else float(wait), at)
+        wait, t, status = record.get("wait"), record.get("t"), record.get("status")
+        joined, late = record.get("joined"), record.get("late")
+        return Report(state, seconds, None if wait is None else float(wait), at,
+                      t=None if t is None else float(t),
+                      status=None if status is None else int(status),
+                      joined=None if joined is None else bool(joined),
+                      peer_lost=bool(record.get("peer_lost")),
+                      late=None if late is None else tuple(int(r) for r in late))
     except (ValueError, TypeError, KeyError, AttributeError):
         return None
 
@@ -88,7 +131,7 @@ class Board:
                     report = parse(line, clock())
                     if report is not None:
                         with self._lock:
-                            if self._reports[rank].state != "timeout":   # the last word
+                            if self._reports[rank].state not in FINAL_STATES:   # the last word
                                 self._reports[rank] = report
             with contextlib.suppress(OSError):
                 pipe.close()
@@ -117,11 +160,13 @@ def describe(report: Report, now: float) -> str:
         return f"busy in JAX for {age:.1f} s"
     if report.state == "starting":
         return f"no report in {age:.1f} s"
+    if report.state == "done":
+        return f"finished its script {now - report.at:.1f} s before"
     return report.state
 
 
 def _waiting(report: Report) -> bool:
-    return report.state == "timeout" or report.wait is not None
+    return report.state == "timeout" or (report.state != "done" and report.wait is not None)
 
 
 def _stopped(reports: dict[int, Report], live, now: float) -> str | None:
@@ -153,6 +198,44 @@ def sampled_stall(reports: dict[int, Report], live, timeout: float, now: float) 
     if len(waited) == len(live):
         return f"every process ({ranks(waited)}) waited in JAX: a deadlock or a lost peer"
     return None
+
+
+def setup_stall(reports: dict[int, Report], running, now: float) -> str | None:
+    """The message when a process gave up on Gloo's set-up deadline (None if none did).
+
+    Names the processes it waited for and where they were, then the ones that
+    gave up; ``running`` are the ranks that had not finished.
+    """
+    gave_up = sorted(r for r in running if reports[r].late is not None)
+    if not gave_up:
+        return None
+    late = sorted({p for r in gave_up for p in reports[r].late} - set(gave_up))
+    where = [f"{r}: {describe(reports[r], now)}" if len(late) > 1 else describe(reports[r], now)
+             for r in late if r in reports]
+    named = f"{ranks(late)} ({'; '.join(where)})" if late else "a process"
+    return (f"{named} came more than {GLOO_SETUP_SECONDS} s after {ranks(gave_up)} to their "
+            "first collective: Gloo connects the processes of a group of devices at its "
+            f"first collective and gives up after a fixed {GLOO_SETUP_SECONDS} s, which "
+            "--stall-timeout does not change")
+
+
+def finished_early(reports: dict[int, Report], live, timeout: float, now: float
+                   ) -> str | None:
+    """The message when a process finished its script while live ones waited
+    in JAX for ``timeout``, or for `JAX_SHUTDOWN_SECONDS` less
+    `EARLY_FINISH_MARGIN` if that is shorter (None otherwise): a process
+    that ended too soon, named before JAX's exit-time barrier aborts it."""
+    bound = min(timeout, JAX_SHUTDOWN_SECONDS - EARLY_FINISH_MARGIN)
+    done = sorted(r for r, rep in reports.items() if rep.state == "done")
+    waited = sorted(r for r in live if r not in done
+                    and (w := reports[r].wait_age(now)) is not None and w >= bound)
+    if not done or not waited:
+        return None
+    longest = max(reports[r].wait_age(now) for r in waited)
+    first = min(reports[r].at for r in done)
+    return (f"{ranks(done)} finished {now - first:.1f} s before, while {ranks(waited)} "
+            f"waited {longest:.1f} s in JAX for {'it' if len(done) == 1 else 'them'}: "
+            "a process that finished early (fewer steps or collectives than the others)")
 
 
 def timeout_stall(reports: dict[int, Report], running, now: float) -> str:

@@ -26,12 +26,31 @@ adds to running the script directly:
   reported too, and the process then waits up to `TIMEOUT_LINGER_SECONDS` for
   the launcher to stop the job. The launcher's stall detection
   (`qcollect.launch._stall`) reads these reports.
+- The last report says how the script ended, stamped with this process's
+  ``time.monotonic()`` (one clock for every process of the machine): ``failed``
+  with its status, and whether the error only says that a peer went away
+  (`is_peer_loss`), so that the launcher names the process that failed
+  first rather than the ones that died of it; or ``done`` when it returned,
+  sent before JAX's exit-time shutdown barrier, where a process that
+  finished early waits for the others.
+- Every report says whether the script joined the job (`joined`): a script
+  that started JAX without calling `qcollect.launch.initialize` can no longer
+  join, and the launcher stops the job at the first such report.
+- In process 0 it first checks that the coordinator's port can be served
+  (`coordinator_port_free`). On a port another program listens on,
+  ``jax.distributed`` fails in process 0 after gRPC logs "Failed to add port
+  to server" (the process raises, or crashes with a segmentation fault), so
+  the worker reports ``port`` and exits instead, and the launcher starts the
+  job again on another port.
 """
 
+import errno
 import json
 import os
+import re
 import runpy
 import signal
+import socket
 import sys
 import threading
 import time
@@ -41,6 +60,8 @@ import traceback
 LAUNCHER_PID = "QCOLLECT_LAUNCHER_PID"
 STATUS_FD = "QCOLLECT_STATUS_FD"
 STALL_TIMEOUT = "QCOLLECT_STALL_TIMEOUT"
+COORDINATOR = "QCOLLECT_COORDINATOR_ADDRESS"
+PROCESS_ID = "QCOLLECT_PROCESS_ID"
 PR_SET_PDEATHSIG = 1
 EXIT_ORPHANED = 1
 SAMPLE_SECONDS = 0.5
@@ -51,6 +72,14 @@ IDLE_CPU_SECONDS = 0.2
 # After a collective timed out: how long to wait for the launcher to stop the
 # job (it names the processes that did not arrive) before exiting anyway.
 TIMEOUT_LINGER_SECONDS = 10.0
+# XLA numbers process p's CPU devices p * 2048 + i (`qcollect.launch._args`).
+DEVICE_ID_STRIDE = 2048
+# What an error says when it only reports that a peer process went away.
+_PEER_LOSS = ("reset by peer", "closed by peer", "broken pipe", "socket closed",
+              "coordination service")
+# Gloo's rendezvous: a process waits for the address of each peer of a new
+# device group under the key ".../gloo/<device ids>/<peer's index>".
+_GLOO_KEY = re.compile(r"gloo/(\d+(?:,\d+)*)/(\d+)")
 
 _status_fd = None
 _final = threading.Event()   # set once the last report is out: sampling stops
@@ -107,15 +136,107 @@ def report(record: dict) -> bool:
     return True
 
 
-def is_collective_timeout(error: BaseException) -> bool:
-    """True when ``error`` (or what caused it) is a Gloo collective that timed out."""
+def _texts(error: BaseException):
+    """The messages of ``error`` and of what caused it (at most 8)."""
     seen = 0
     while error is not None and seen < 8:
-        text = str(error)
-        if "Gloo" in text and "Timed out" in text:
-            return True
+        yield str(error)
         error, seen = error.__cause__ or error.__context__, seen + 1
-    return False
+
+
+def is_collective_timeout(error: BaseException) -> bool:
+    """True when ``error`` (or what caused it) is a Gloo collective that timed out."""
+    return any("Gloo" in text and "Timed out" in text for text in _texts(error))
+
+
+def is_peer_loss(error: BaseException) -> bool:
+    """True when ``error`` only says that a peer process went away."""
+    return any(marker in text.lower() for text in _texts(error) for marker in _PEER_LOSS)
+
+
+def setup_timeout(error: BaseException, process_of=None):
+    """The processes that did not join a Gloo device group in time, or None.
+
+    The first collective over a set of devices creates a Gloo communicator
+    for them; each process publishes its address in ``jax.distributed``'s
+    key-value store and waits for its peers' addresses, each under a key
+    ending in the peer's index in the group. Gloo gives up after its context
+    timeout, 30 seconds, which XLA does not set and JAX exposes no setting
+    for, with ``Gloo context initialization failed: DEADLINE_EXCEEDED:
+    GetKeyValue() timed out with key: cpu:gloo/0,2048/1``.
+
+    Args:
+      error: what the script raised.
+      process_of: device id -> process index (default: JAX's devices, or
+        the id's block of `DEVICE_ID_STRIDE` when JAX cannot say).
+
+    Returns:
+      The process indices the waiting process gave up on (empty when the key
+      cannot be read), or None when ``error`` is not such a timeout.
+    """
+    for text in _texts(error):
+        if "Gloo context initialization failed" not in text or not (
+                "DEADLINE_EXCEEDED" in text or "timed out" in text.lower()):
+            continue
+        match = _GLOO_KEY.search(text)
+        if match is None:
+            return []
+        devices = [int(d) for d in match.group(1).split(",")]
+        index = int(match.group(2))
+        if index >= len(devices):
+            return []
+        if process_of is None:
+            process_of = _device_processes()
+        device = devices[index]
+        return [process_of.get(device, device // DEVICE_ID_STRIDE)]
+    return None
+
+
+def _device_processes() -> dict:
+    jax = sys.modules.get("jax")
+    try:
+        return {d.id: d.process_index for d in jax.devices()}
+    except Exception:   # whatever the reason: fall back to the id blocks
+        return {}
+
+
+def joined():
+    """Whether the script joined the launched job: True once it called
+    ``jax.distributed.initialize`` (through `qcollect.launch.initialize`),
+    False when JAX's backends exist without it (it can no longer join: JAX
+    refuses once they exist), None while neither happened. Reads JAX's
+    module state without importing anything."""
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    started = bool(getattr(bridge, "_backends", None))   # read first: joining comes before
+    state = getattr(sys.modules.get("jax._src.distributed"), "global_state", None)
+    if getattr(state, "coordinator_address", None) is not None:   # kept after shutdown()
+        return True
+    return False if started else None
+
+
+def coordinator_port_free(address: str) -> bool:
+    """False when another program listens on ``address``'s port.
+
+    ``jax.distributed``'s coordinator serves on every address (``[::]:port``)
+    with ``SO_REUSEADDR``; binding the same way fails only where a socket
+    listens on the port (the launcher's own reservation does not listen).
+    """
+    port = int(address.rsplit(":", 1)[1])
+    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            s = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue   # no IPv6 here
+        with s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return False
+                continue
+            return True
+    return True
 
 
 def _stdlib_dir() -> str:
@@ -170,7 +291,7 @@ def _watch(main_ident: int) -> None:
                 IDLE_CPU_SECONDS:
             waited = round(now - call_start, 2)
         if _final.is_set() or not report({"state": state, "for": round(now - state_start, 2),
-                                           "wait": waited}):
+                                           "wait": waited, "joined": joined()}):
             return
         time.sleep(SAMPLE_SECONDS)
 
@@ -188,6 +309,45 @@ def start_reports() -> None:
                      name="qcollect-launch-watch", daemon=True).start()
 
 
+def _fail(status: int, at: float, error: BaseException | None = None) -> None:
+    """Reports how the script failed, then exits at once with ``status``."""
+    _final.set()
+    _flush()
+    late = None if error is None else setup_timeout(error)
+    timed_out = late is not None or (
+        error is not None and is_collective_timeout(error)
+        and float(os.environ.get(STALL_TIMEOUT) or 0) > 0)
+    if timed_out:
+        record = {"state": "timeout", "t": at}
+        if late is not None:
+            record["late"] = late
+        if report(record):
+            # Process 0 holds the coordination service, whose end would take the
+            # others down at once; the launcher first sees who else times out.
+            _flush()
+            time.sleep(TIMEOUT_LINGER_SECONDS)
+    else:
+        report({"state": "failed", "t": at, "status": status, "joined": joined(),
+                "peer_lost": error is not None and is_peer_loss(error)})
+    _die(status)
+
+
+def _done() -> None:
+    _final.set()
+    report({"state": "done", "t": time.monotonic(), "joined": joined()})
+
+
+def check_port() -> None:
+    """In process 0: reports ``port`` and exits 1 when the coordinator's port is taken."""
+    address = os.environ.get(COORDINATOR)
+    if os.environ.get(PROCESS_ID) != "0" or not address or coordinator_port_free(address):
+        return
+    print(f"the coordinator port {address} is taken by another program", file=sys.stderr)
+    _final.set()
+    report({"state": "port", "t": time.monotonic()})
+    _die(1)
+
+
 def run(argv) -> None:
     """Runs ``argv[0]`` with arguments ``argv[1:]``; exits at once if it fails."""
     script = argv[0]
@@ -198,18 +358,14 @@ def run(argv) -> None:
     except SystemExit as e:
         status = _status(e.code)
         if status != 0:
-            _die(status)
+            _fail(status, time.monotonic())
+        _done()
         raise
     except BaseException as e:
+        at = time.monotonic()
         traceback.print_exc()
-        _final.set()
-        if (is_collective_timeout(e) and float(os.environ.get(STALL_TIMEOUT) or 0) > 0
-                and report({"state": "timeout"})):
-            # Process 0 holds the coordination service, whose end would take the
-            # others down at once; the launcher first sees who else times out.
-            _flush()
-            time.sleep(TIMEOUT_LINGER_SECONDS)
-        _die(1)
+        _fail(1, at, e)
+    _done()
 
 
 if __name__ == "__main__":
@@ -217,4 +373,5 @@ if __name__ == "__main__":
     # The launcher blocks these while it starts workers; the mask is inherited.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     start_reports()
+    check_port()
     run(sys.argv[1:])

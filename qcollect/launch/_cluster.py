@@ -1,0 +1,134 @@
+"""Which job this process belongs to, read from its environment.
+
+`detect` names the source of a multi-process job (first match wins):
+
+- ``"qcollect"``: started by ``python -m qcollect.launch`` (its
+  ``QCOLLECT_*`` variables, `qcollect.launch._env`); also what a user sets by
+  hand, e.g. in a Kubernetes indexed job (docs/multiprocess.md).
+- ``"slurm"``: a task of an ``srun`` step (``SLURM_STEP_ID``, ``SLURM_PROCID``,
+  ``SLURM_NTASKS``, ...). A batch script itself (step ``batch``, or no step)
+  is not a task of the job: ``python train.py`` run there directly stays one
+  process instead of waiting for ``SLURM_NTASKS - 1`` peers that never come.
+- ``"ompi"``: a rank of Open MPI's ``mpirun`` up to 4.x
+  (``OMPI_MCA_orte_hnp_uri``).
+- ``"mpi4py"``: a rank of another MPI launcher (Open MPI 5, MPICH, Intel MPI:
+  ``PMIX_RANK`` / ``PMI_RANK``), joined through mpi4py when it is installed.
+- ``"k8s"``: a pod of a Kubernetes indexed job (``JOB_COMPLETION_INDEX``)
+  with the ``kubernetes`` package installed (JAX asks the API server for
+  its peers).
+
+Otherwise ``None``: one process. ``QCOLLECT_CLUSTER`` (or the argument of
+`qcollect.launch.initialize`) chooses instead: ``"none"`` forces a single
+process whatever the environment says; a name above insists on that source
+and fails when its environment is absent.
+
+JAX finds the coordinator, the process count and the id itself for the
+clusters (``jax.distributed.initialize(cluster_detection_method=...)``,
+``jax._src.clusters``); `detect` only decides whether and which, so that a
+job never silently runs as independent processes and a lone process never
+waits for peers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import NamedTuple
+
+from qcollect.launch import _env
+
+#: The environment variable that overrides detection (`detect`'s ``choice``).
+CLUSTER = "QCOLLECT_CLUSTER"
+SOURCES = ("qcollect", "slurm", "ompi", "mpi4py", "k8s")
+_SINGLE = ("none", "single")
+_MPI_RANKS = ("PMIX_RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID")
+
+
+class Job(NamedTuple):
+    """A detected multi-process job.
+
+    Attributes:
+      source: one of `SOURCES`.
+      num_processes / process_id: as the environment states them (None
+        where only JAX's detection or mpi4py can tell).
+    """
+
+    source: str
+    num_processes: int | None
+    process_id: int | None
+
+    def describe(self) -> str:
+        where = (f"process {self.process_id} of {self.num_processes}"
+                 if self.num_processes is not None else "processes counted by MPI")
+        return f"{self.source} job, {where}"
+
+
+def _int(name: str) -> int | None:
+    value = os.environ.get(name, "")
+    return int(value) if value.strip().isdigit() else None
+
+
+def _present(source: str) -> Job | None:
+    """``source``'s job when its environment is there, else None."""
+    env = os.environ
+    if source == "qcollect":
+        if all(v in env for v in (_env.COORDINATOR, _env.NUM_PROCESSES, _env.PROCESS_ID)):
+            return Job(source, _int(_env.NUM_PROCESSES), _int(_env.PROCESS_ID))
+    elif source == "slurm":
+        step = env.get("SLURM_STEP_ID", "")
+        keys = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
+                "SLURM_LOCALID")
+        if step.isdigit() and all(k in env for k in keys):
+            return Job(source, _int("SLURM_STEP_NUM_TASKS") or _int("SLURM_NTASKS"),
+                       _int("SLURM_PROCID"))
+    elif source == "ompi":
+        if "OMPI_MCA_orte_hnp_uri" in env:
+            return Job(source, _int("OMPI_COMM_WORLD_SIZE"), _int("OMPI_COMM_WORLD_RANK"))
+    elif source == "mpi4py":
+        if any(k in env for k in _MPI_RANKS):
+            return Job(source, None, None)
+    elif source == "k8s":
+        if "KUBERNETES_SERVICE_HOST" in env and "JOB_COMPLETION_INDEX" in env:
+            return Job(source, None, _int("JOB_COMPLETION_INDEX"))
+    return None
+
+
+def _needs(source: str) -> str | None:
+    """What is missing to join a ``source`` job here (None: nothing)."""
+    package = {"mpi4py": "mpi4py", "k8s": "kubernetes"}.get(source)
+    if package and importlib.util.find_spec(package) is None:
+        return f"pip install {package}"
+    return None
+
+
+def detect(choice: str | None = None) -> Job | None:
+    """The job this process is part of, or None for a single process.
+
+    Args:
+      choice: ``"auto"`` (detect), ``"none"`` (a single process), or one
+        of `SOURCES`; default: ``$QCOLLECT_CLUSTER``, else ``"auto"``.
+
+    Raises:
+      ValueError: an unknown ``choice``; a chosen source whose environment
+        is absent; a detected MPI or Kubernetes job whose Python package is
+        missing (the message says which to install).
+    """
+    choice = (choice if choice is not None else os.environ.get(CLUSTER, "auto")).strip().lower()
+    if choice in _SINGLE:
+        return None
+    if choice != "auto" and choice not in SOURCES:
+        raise ValueError(f"cluster ({CLUSTER}) must be auto, none or one of "
+                         f"{', '.join(SOURCES)}, got {choice!r}")
+    for source in SOURCES if choice == "auto" else (choice,):
+        job = _present(source)
+        if job is None:
+            continue
+        missing = _needs(source)
+        if missing is not None:
+            raise ValueError(f"this process is part of a {source} job but cannot join it: "
+                             f"{missing}, or set {CLUSTER}=none to run it as a single process")
+        return job
+    if choice != "auto":
+        raise ValueError(f"cluster ({CLUSTER}) is {choice!r} but this process's environment "
+                         f"has no {choice} job")
+    return None

@@ -1,0 +1,82 @@
+"""`mean_all_reduce`: the uncompressed mean over the data axis, and `path_name`.
+
+The plain data-parallel all-reduce as a transformation, for the leaves a
+leaf policy leaves uncompressed when ``optax.partition`` sends them to
+another transformation than the compressed one (docs/transforms.md, "Leaf
+policy"), and as the exact reference a compressed run is compared with.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import optax
+
+import qcollect as qc
+from transforms._sharding import check_local_gradients
+
+__all__ = ["mean_all_reduce", "path_name"]
+
+
+def mean_all_reduce(axis_name, *, block_specs=None) -> optax.GradientTransformation:
+    """The exact mean of each device's gradients over ``axis_name``.
+
+    The leaves are concatenated per dtype into 4 MiB buckets and each bucket
+    is summed in one ``lax.psum`` (`qcollect.fused_psum`), in the gradients'
+    own dtypes. Like the compressed transformations it takes this device's
+    own gradients (differentiate at ``lax.pcast(params, axis_name,
+    to="varying")``) and returns updates replicated along the axis. No state.
+
+    Args:
+      axis_name: the data axis (``shard_map`` or ``pmap``), or a tuple of axes.
+      block_specs: with model-sharded parameters, each leaf's
+        ``PartitionSpec`` (a tree like the gradients, or ``f(path, leaf)``),
+        as for `compressed_all_reduce`.
+
+    Returns:
+      An ``optax.GradientTransformation``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, transforms
+      >>> tx = transforms.mean_all_reduce("data")
+      >>> mean = jax.pmap(lambda g: tx.update(g, tx.init(g))[0], axis_name="data")
+      >>> n = jax.device_count()
+      >>> out = mean({"w": jnp.arange(n, dtype=jnp.float32)})   # device d holds d
+      >>> bool((out["w"] == (n - 1) / 2).all())
+      True
+    """
+    return optax.GradientTransformation(
+        lambda params: optax.EmptyState(),
+        functools.partial(_update, axis_name=axis_name, block_specs=block_specs))
+
+
+def _update(grads, state, params=None, *, axis_name, block_specs):
+    del params
+    check_local_gradients(grads, axis_name)
+    return qc.fused_psum(grads, axis_name, mean=True, block_specs=block_specs), state
+
+
+def path_name(path, sep: str = "/") -> str:
+    """A key path as a readable name: ``"layers/0/kernel"``.
+
+    The ``path`` a leaf policy's ``compressor(path, leaf)`` or
+    ``compress_if(path, leaf)`` gets is JAX's key path of the leaf
+    (``jax.tree_util.tree_leaves_with_path``): a tuple of ``DictKey`` (dicts,
+    Flax linen's parameters and NNX ``State``: ``.key``), ``SequenceKey``
+    (lists, tuples: ``.idx``), ``GetAttrKey`` (dataclasses, NamedTuples:
+    ``.name``) and ``FlattenedIndexKey`` entries. On Flax NNX state the last
+    entry is ``GetAttrKey("value")``, the ``Variable``'s value, so
+    ``path[-1].key`` fails there; this joins every entry's name, without
+    that trailing ``value``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, transforms
+      >>> tree = {"layers": [{"kernel": jnp.zeros(2)}]}
+      >>> [transforms.path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+      ['layers/0/kernel']
+    """
+    names = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+    if len(path) > 1 and isinstance(path[-1], jax.tree_util.GetAttrKey) and names[-1] == "value":
+        names = names[:-1]
+    return sep.join(names)
