@@ -10,6 +10,7 @@ daemons), the engine tests skip with the reason.
 from __future__ import annotations
 
 import contextlib
+import csv
 import os
 import pathlib
 import shutil
@@ -251,11 +252,27 @@ def slurm(tmp_path_factory):
     cluster.close()
 
 
+@pytest.mark.slow  # srun's default-suite check is the network benchmark's, below
 def test_srun_runs_one_job(slurm, tmp_path):
     proc = slurm.run(["srun", "-n", "2", "--oversubscribe", sys.executable, WORKER, "check",
                       str(tmp_path)], check=False, QCOLLECT_DEVICES_PER_PROCESS="2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     _check_run(tmp_path, proc.stdout)
+
+
+def test_srun_runs_the_network_benchmark_as_one_job(slurm, tmp_path):
+    """Under ``srun`` the benchmark joins the step's job instead of starting
+    its own launcher."""
+    out = tmp_path / "net"
+    proc = slurm.run(["srun", "-n", "2", "--oversubscribe", sys.executable, "-m",
+                      "qcollect.bench", "network", "--nproc", "2", "--bandwidth", "none",
+                      "--sizes", "0.0625", "--repeats", "1", "--methods", "psum,qsgd-4",
+                      "--out", str(out)], check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[rank " not in proc.stdout  # the local launcher's prefix: not started
+    with open(out.with_suffix(".csv")) as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["method"], r["processes"]) for r in rows] == [("psum", "2"), ("qsgd-4", "2")]
 
 
 @pytest.mark.slow

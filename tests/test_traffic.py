@@ -60,7 +60,8 @@ def test_loops_count_once_per_iteration_and_a_conditional_by_its_cheaper_branch(
 def test_the_codec_of_a_compressed_all_reduce_reads_the_gradient_and_writes_the_sum():
     """Through compressed_all_reduce on 4 devices: 1-bit reads each device's gradient
     (encode) and writes the whole sum (final decode); both exchanges move the
-    same chunks, the all-to-all adding only copies of the small payload."""
+    same chunks, the all-to-all adding copies of the small payload and of the
+    bucket means (under 30% of the gradient: 73,736 bytes of 262,144 here)."""
     n, values = 4, 1 << 16
     mesh = mesh_of(n)
     x = jax.device_put(jnp.ones((n, values)), NamedSharding(mesh, P("d")))
@@ -76,7 +77,7 @@ def test_the_codec_of_a_compressed_all_reduce_reads_the_gradient_and_writes_the_
         assert any(k.read >= gradient for k in report), exchange  # encode
         assert any(k.written >= gradient for k in report), exchange  # decode
     shifts, one = (qc.memory_bytes(program(e), x) for e in ("permute", "all_to_all"))
-    assert 2 * gradient <= shifts <= one <= shifts + gradient / 4
+    assert 2 * gradient <= shifts <= one <= shifts + 0.3 * gradient
 
 
 def test_passes_benchmark_reports_every_method_against_the_bandwidth(tmp_path, capsys):

@@ -216,7 +216,7 @@ def launch_command(argv: list[str], nproc: int, bandwidth: str,
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parse(argv)
-    if not qcollect.launch.is_launched():
+    if qcollect.launch.job() is None:  # not in a job: start one with the local launcher
         bandwidth = args.bandwidth or "1gbit"
         rc = subprocess.call(launch_command(argv + ["--bandwidth", bandwidth],
                                             args.nproc, bandwidth, args.devices_per_process))

@@ -52,11 +52,29 @@ import threading
 from qcollect.launch import _cluster, _env
 from qcollect.launch._args import parse_delay, parse_rate
 
-__all__ = ["initialize", "is_launched", "main", "parse_delay", "parse_rate"]
+__all__ = ["Job", "initialize", "is_launched", "job", "main", "parse_delay", "parse_rate"]
+
+Job = _cluster.Job
 
 # How long a CPU collective waits for its peers before it fails (XLA's default
 # is 30 minutes); Gloo raises "Timed out waiting ... for recv operation".
 _COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"
+
+
+def job(cluster: str | None = None) -> _cluster.Job | None:
+    """The multi-process job this process is part of, without joining it.
+
+    A `Job` (``source``: ``"qcollect"``, ``"slurm"``, ``"ompi"``,
+    ``"mpi4py"`` or ``"k8s"``; the process count and id where the
+    environment states them), or None for a single process; ``cluster`` as
+    for `initialize`.
+
+    Example:
+      >>> import qcollect.launch
+      >>> qcollect.launch.job("none") is None
+      True
+    """
+    return _cluster.detect(cluster)
 
 
 def is_launched() -> bool:
