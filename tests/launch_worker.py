@@ -9,6 +9,8 @@ Modes (first argument):
     process 0 waits in a collective that can never finish.
   ``sleep OUT_DIR``: prints ``ready`` and sleeps (for signal tests).
   ``hello OUT_DIR``: prints ``ok`` and exits.
+  ``listen OUT_DIR``: process 0 prints the local addresses of the sockets
+    listening on the coordinator's port (from ``/proc/net/tcp*``).
   ``stall OUT_DIR [LENGTH]``: three psums of ``LENGTH`` (default 4) floats per
     device, then process 1 prints ``stalling`` and sleeps while the others
     print ``waiting`` and keep calling the psum (a process that stopped
@@ -229,6 +231,20 @@ def check(results: dict, n: int) -> list[str]:
     return errors
 
 
+def listening(port: int) -> set[str]:
+    """Local addresses (hex, as the kernel lists them) of TCP sockets
+    listening on ``port``, IPv4 and IPv6."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                address, hex_port = fields[1].rsplit(":", 1)
+                if int(hex_port, 16) == port and fields[3] == "0A":  # 0A: LISTEN
+                    found.add(address)
+    return found
+
+
 def main(argv) -> int:
     mode, out_dir = argv[0], pathlib.Path(argv[1])
     qcollect.launch.initialize()
@@ -243,6 +259,11 @@ def main(argv) -> int:
         return 0
     if mode == "hello":
         print("ok", flush=True)
+        return 0
+    if mode == "listen":
+        if rank == 0:
+            port = int(os.environ["QCOLLECT_COORDINATOR_ADDRESS"].rsplit(":", 1)[1])
+            print("listening on", " ".join(sorted(listening(port))), flush=True)
         return 0
     mesh = jax.make_mesh((jax.device_count(),), ("d",))
     if mode == "stall":

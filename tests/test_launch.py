@@ -158,6 +158,17 @@ def test_two_processes_two_devices_match_numpy_and_single_process(tmp_path):
     _assert_results_match_single_process(tmp_path)
 
 
+def test_the_coordinator_listens_on_the_jobs_address_only(tmp_path):
+    """Rank 0's coordination service binds the loopback address the job uses,
+    not every interface (an unauthenticated service)."""
+    status, out, err, _ = _launch("--nproc", "2", WORKER, "listen", str(tmp_path))
+    assert status == 0, out + err
+    line = next(x for x in out.splitlines() if "listening on" in x)
+    loopback = {"0100007F", "0000000000000000FFFF00000100007F"}  # 127.0.0.1, IPv4 or mapped
+    addresses = line.split("listening on")[1].split()
+    assert addresses and set(addresses) <= loopback, line
+
+
 def _shaping_unavailable():
     missing = _netns.missing_requirements()
     if missing:

@@ -158,9 +158,13 @@ def initialize(cluster: str | None = None) -> bool:
     main_thread = threading.current_thread() is threading.main_thread()
     handler = signal.getsignal(signal.SIGTERM) if main_thread else None
     if job.source == "qcollect":
-        jax.distributed.initialize(coordinator_address=os.environ[_env.COORDINATOR],
+        # Rank 0's coordination service answers unauthenticated requests: bind
+        # it to the job's address only (JAX's default is every interface).
+        coordinator = os.environ[_env.COORDINATOR]
+        jax.distributed.initialize(coordinator_address=coordinator,
                                    num_processes=int(os.environ[_env.NUM_PROCESSES]),
-                                   process_id=int(os.environ[_env.PROCESS_ID]))
+                                   process_id=int(os.environ[_env.PROCESS_ID]),
+                                   coordinator_bind_address=coordinator)
     else:
         jax.distributed.initialize(cluster_detection_method=job.source)
     # jax.distributed's preemption notifier catches SIGTERM and keeps running;
