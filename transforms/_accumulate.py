@@ -32,7 +32,7 @@ import optax
 from jax import lax
 
 from qcollect.checks import check_int
-from transforms._sharding import device_block, per_device
+from transforms._sharding import device_block, per_device, varying_axes_of
 
 __all__ = ["AccumulateState", "accumulate"]
 
@@ -141,20 +141,17 @@ def cond_matching_types(pred, true_fun, false_fun, *operands):
     the axes either branch's output varies along (``lax.pcast``)."""
     true_out = jax.make_jaxpr(true_fun)(*operands).out_avals
     false_out = jax.make_jaxpr(false_fun)(*operands).out_avals
-    wanted = [_varying(a) | _varying(b) for a, b in zip(true_out, false_out, strict=True)]
+    wanted = [varying_axes_of(a) | varying_axes_of(b)
+              for a, b in zip(true_out, false_out, strict=True)]
 
     def matched(fun):
         def run(*args):
             leaves, treedef = jax.tree.flatten(fun(*args))
-            cast = [lax.pcast(x, tuple(sorted(want - _varying(jax.typeof(x)))), to="varying")
-                    if want - _varying(jax.typeof(x)) else x
+            cast = [lax.pcast(x, tuple(sorted(want - varying_axes_of(jax.typeof(x)))), to="varying")
+                    if want - varying_axes_of(jax.typeof(x)) else x
                     for x, want in zip(leaves, wanted, strict=True)]
             return treedef.unflatten(cast)
         return run
 
     return lax.cond(pred, matched(true_fun), matched(false_fun), *operands)
 
-
-def _varying(aval) -> frozenset:
-    mat = getattr(aval, "mat", None)
-    return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())

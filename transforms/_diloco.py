@@ -68,6 +68,7 @@ from jax import lax
 
 import qcollect as qc
 from qcollect.checks import check_float, check_int
+from transforms._mean import mean_all_reduce
 from transforms._sharding import (
     all_finite,
     check_axis,
@@ -244,7 +245,7 @@ def diloco(axis_name, *, inner: optax.GradientTransformation, every: int,
     mix = check_float("mix", mix, low=0.0, high=1.0, low_inclusive=True)
     sync_first = check_int("sync_first", sync_first, low=0)
     outer = optax.sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer
-    reduce = _ExactMean(axis_name) if reduce is None else reduce
+    reduce = mean_all_reduce(axis_name) if reduce is None else reduce
     for name, tx in (("inner", inner), ("outer", outer), ("reduce", reduce)):
         if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
             raise ValueError(f"{name} must be an optax GradientTransformation, got {tx!r}")
@@ -252,20 +253,6 @@ def diloco(axis_name, *, inner: optax.GradientTransformation, every: int,
                          mix, sync_first)
     return optax.GradientTransformation(functools.partial(_init, s=settings),
                                         functools.partial(_update, s=settings))
-
-
-class _ExactMean(NamedTuple):
-    """The exact outer-gradient mean (`qcollect.fused_psum`), an optax-like pair."""
-
-    axis_name: Any
-
-    def init(self, params):
-        del params
-        return optax.EmptyState()
-
-    def update(self, grads, state, params=None):
-        del params
-        return qc.fused_psum(grads, self.axis_name, mean=True), state
 
 
 class _Settings(NamedTuple):

@@ -402,7 +402,12 @@ def check_local_gradients(grads, axis_name) -> None:
 
 def _varying_axes(leaf) -> frozenset:
     """The mesh axes ``leaf`` is typed as varying along (empty outside shard_map)."""
-    aval = jax.typeof(leaf)
+    return varying_axes_of(jax.typeof(leaf))
+
+
+def varying_axes_of(aval) -> frozenset:
+    """The mesh axes an abstract value (``jax.typeof``, a jaxpr's ``out_avals``)
+    is typed as varying along."""
     mat = getattr(aval, "mat", None)
     axes = getattr(mat, "varying", None) if mat is not None else getattr(aval, "vma", None)
     return frozenset(axes or ())
