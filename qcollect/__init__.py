@@ -14,53 +14,27 @@ qcollect imports jax and numpy only; the optax layer is the `transforms`
 package, installed by the same distribution.
 """
 
-from qcollect._adaptive import AdaptiveCompressor, adaptive
-from qcollect._algorithms import EXCHANGES, Exchange, collective_codec
-from qcollect._baseline import CastCompressor, cast, identity
-from qcollect._blocks import block_spec_tree
-from qcollect._buckets import (
+from qcollect._payload import Compressor, Payload, payload_bytes
+from qcollect.coding._packing import pack_bits, packed_words, unpack_bits
+from qcollect.collectives._algorithms import EXCHANGES, Exchange, collective_codec
+from qcollect.collectives._blocks import block_spec_tree
+from qcollect.collectives._buckets import (
     AUTO_BATCH_BYTES,
     AUTO_TRACE_LIMIT,
     BATCH_BUCKETS,
     BatchBuckets,
     runs_batched,
 )
-from qcollect._compressed import ALGORITHMS, Algorithm, AllReduceResult, compressed_all_reduce
-from qcollect._entropy import (
-    EntropyCodec,
-    EntropyCompressor,
-    EntropyPlan,
-    PlannedEntropyCompressor,
-    entropy,
+from qcollect.collectives._compressed import (
+    ALGORITHMS,
+    Algorithm,
+    AllReduceResult,
+    compressed_all_reduce,
 )
-from qcollect._fsdp import fsdp_gather, fsdp_residuals, shard_dimensions
-from qcollect._groups import matrix_view
-from qcollect._layout import BUCKET_BYTES, leaf_chunks
-from qcollect._messages import fused_psum
-from qcollect._onebit import OneBitCompressor, onebit
-from qcollect._packing import pack_bits, packed_words, unpack_bits
-from qcollect._payload import Compressor, Payload, payload_bytes
-from qcollect._pca import PCACompressor, pca
-from qcollect._pca_fit import PCAFit, pca_fit
-from qcollect._phases import phase, wire_bytes_by_phase
-from qcollect._power_iteration import (
-    orthogonalize,
-    powersgd_normalize,
-    powersgd_p,
-    powersgd_q,
-    powersgd_reconstruct,
-)
-from qcollect._powersgd import (
-    PowerSGDCompressor,
-    powersgd,
-    powersgd_init,
-    powersgd_matrix,
-    powersgd_matrix_shape,
-    powersgd_rank,
-    powersgd_should_compress,
-)
-from qcollect._qsgd import QSGD_BUCKET_SIZES, QSGDCompressor, qsgd
-from qcollect._ring import (
+from qcollect.collectives._fsdp import fsdp_gather, fsdp_residuals, shard_dimensions
+from qcollect.collectives._layout import BUCKET_BYTES, leaf_chunks
+from qcollect.collectives._messages import fused_psum
+from qcollect.collectives._ring import (
     all_gather_invariant,
     exchange_chunks,
     permute,
@@ -69,10 +43,41 @@ from qcollect._ring import (
     ring_bytes_per_device,
     ring_reduce_scatter,
 )
-from qcollect._sharded import compressed_all_gather, compressed_reduce_scatter
-from qcollect._threshold import ThresholdCompressor, threshold
-from qcollect._traffic import Kernel, memory_bytes, memory_report
-from qcollect._wire import WireOp, bytes_along, wire_bytes, wire_bytes_by_axis, wire_report
+from qcollect.collectives._sharded import compressed_all_gather, compressed_reduce_scatter
+from qcollect.compressors._adaptive import AdaptiveCompressor, adaptive
+from qcollect.compressors._baseline import CastCompressor, cast, identity
+from qcollect.compressors._entropy import (
+    EntropyCodec,
+    EntropyCompressor,
+    EntropyPlan,
+    PlannedEntropyCompressor,
+    entropy,
+)
+from qcollect.compressors._groups import matrix_view
+from qcollect.compressors._onebit import OneBitCompressor, onebit
+from qcollect.compressors._pca import PCACompressor, pca
+from qcollect.compressors._pca_fit import PCAFit, pca_fit
+from qcollect.compressors._power_iteration import (
+    orthogonalize,
+    powersgd_normalize,
+    powersgd_p,
+    powersgd_q,
+    powersgd_reconstruct,
+)
+from qcollect.compressors._powersgd import (
+    PowerSGDCompressor,
+    powersgd,
+    powersgd_init,
+    powersgd_matrix,
+    powersgd_matrix_shape,
+    powersgd_rank,
+    powersgd_should_compress,
+)
+from qcollect.compressors._qsgd import QSGD_BUCKET_SIZES, QSGDCompressor, qsgd
+from qcollect.compressors._threshold import ThresholdCompressor, threshold
+from qcollect.measure._phases import phase, wire_bytes_by_phase
+from qcollect.measure._traffic import Kernel, memory_bytes, memory_report
+from qcollect.measure._wire import WireOp, bytes_along, wire_bytes, wire_bytes_by_axis, wire_report
 
 __all__ = [
     "ALGORITHMS",

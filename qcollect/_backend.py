@@ -11,7 +11,7 @@ it: then the workaround can go). The probes that are unit tests live in
    collective-permute or all-gather is converted to float32 for the
    transfer, doubling its bytes (float16 is not). qcollect sends the
    bit-identical uint16 words of both 16-bit floats instead (`narrow_word`;
-   `qcollect._ring.permute`, `qcollect._ring.all_gather_invariant`). Guard:
+   `qcollect.collectives._ring.permute`, `qcollect.collectives._ring.all_gather_invariant`). Guard:
    ``tests/test_ring.py::test_ring_all_gather_of_16_bit_floats_equals_all_gather_at_16_bits``
    and the 16-bit wire-byte tests of ``tests/test_wire.py``. Probe:
    ``tests/test_backend.py::test_xla_cpu_widens_16_bit_collective_permutes``.
@@ -27,21 +27,21 @@ it: then the workaround can go). The probes that are unit tests live in
 3. **Every array of a collective is a message of its own** (Gloo): across
    processes each operand of a tuple all-reduce or permute costs about 6 ms
    whatever its size, so a tree of small leaves pays per leaf.
-   `qcollect._messages` packs each exchange into one buffer of words
-   (`qcollect.fused_psum`, `qcollect._messages.send_packed`). Guard:
+   `qcollect.collectives._messages` packs each exchange into one buffer of words
+   (`qcollect.fused_psum`, `qcollect.collectives._messages.send_packed`). Guard:
    ``tests/test_messages.py`` (one operand per collective). Probe:
    ``python -m qcollect.bench network --nproc 4 --message-probe``.
 4. **A max reduction can drop a NaN** (XLA:CPU's vectorised reduce: a row
    of 4096 or more float32 values holding one NaN can reduce to 1.0 or
    -inf). `propagate_nonfinite` adds ``sum(v - v)`` (zero, or NaN when
    any value is not finite) to such a reduction; QSGD's scales and the
-   entropy quantizer's range (`qcollect._entropy_stats.extremes`) use it.
+   entropy quantizer's range (`qcollect.compressors._entropy_stats.extremes`) use it.
    Guard: ``tests/test_contract.py::test_shapes_dtypes_zeros_and_non_finite_inputs``.
    Probe: ``tests/test_backend.py::test_xla_cpu_max_can_drop_a_nan``.
 5. **Constant slice offsets compile a kernel per leaf** (XLA's fusion,
    every backend): the offset of a static slice is a constant inside its
    fusion, so two leaves of one shape compile two kernels.
-   `qcollect._offsets` computes the offsets at run time. Guard and probe:
+   `qcollect.collectives._offsets` computes the offsets at run time. Guard and probe:
    ``tests/test_buckets.py::test_leaves_of_one_shape_share_their_kernels``.
 6. **A reduction of stacked scalars is copied into every consumer** (XLA's
    algebraic simplifier): ``all(stack(flags))`` becomes a chain of ands,

@@ -13,12 +13,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import jax
 import numpy as np
 
-from qcollect._layout import Grouping
+#: The groups a compressor computes its statistics over (`Compressor.grouping`).
+GROUPINGS = ("element", "bucket", "column", "leaf")
+Grouping = Literal["element", "bucket", "column", "leaf"]
+
 
 __all__ = ["Compressor", "Payload", "payload_bytes"]
 
@@ -95,7 +98,7 @@ class Compressor:
         flattened row-major), ``"column"`` (columns of the array's matrix
         view, `qcollect.matrix_view`) or ``"leaf"`` (the whole array).
         `compressed_all_reduce` lays leaves out so that no group spans two
-        leaves or two devices (see `qcollect._layout`).
+        leaves or two devices (see `qcollect.collectives._layout`).
       masks_padding: True when ``encode`` takes ``valid=``, an int32 array
         with one count per group: the group's first ``valid[g]`` values are
         real and the rest is zero padding that must not enter its statistics

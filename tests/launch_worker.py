@@ -64,7 +64,7 @@ def global_array(mesh, full, spec=None):
 
 def _in_small_pieces(run) -> dict:
     """``run()`` traced with 256-byte swap pieces, so that the pieces of a swap
-    between processes (qcollect._ring.permute) are exercised, unevenly split."""
+    between processes (qcollect.collectives._ring.permute) are exercised, unevenly split."""
     from qcollect import _backend
 
     saved = _backend.SWAP_PIECE_BYTES

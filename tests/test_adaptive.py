@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import qcollect as qc
-from qcollect._groups import bucket_groups, column_groups, sample_within_groups, to_view
+from qcollect.compressors._groups import bucket_groups, column_groups, sample_within_groups, to_view
 from tests.helpers import per_device
 
 EMPTY = 0xFFFFFFFF

@@ -104,7 +104,7 @@ def test_swap_probe_times_one_swap_and_its_pieces(tmp_path):
 def test_message_probe_shows_what_each_array_of_a_collective_costs(tmp_path):
     """Across processes on the CPU backend each array of an all-reduce is an
     exchange of its own: the reason qcollect sends one buffer per collective
-    (`qcollect._messages`). If a backend stops charging per array, the
+    (`qcollect.collectives._messages`). If a backend stops charging per array, the
     timing assertion fails and the packing can go."""
     out = tmp_path / "messages"
     run = _bench("--nproc", "2", "--bandwidth", "none", "--message-probe", "--sizes", "0.0625",

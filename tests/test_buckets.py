@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 import qcollect as qc
-from qcollect._layout import plan_segments
-from qcollect._offsets import runtime_offsets, runtime_slices
 from qcollect.bench.compile import kernel_counts
+from qcollect.collectives._layout import plan_segments
+from qcollect.collectives._offsets import runtime_offsets, runtime_slices
 from tests.helpers import per_device
 
 N = 2

@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
-from qcollect._layout import plan_segments
+from qcollect.collectives._layout import plan_segments
 from tests.helpers import mesh_of, per_device
 
 

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import qcollect as qc
-from qcollect._entropy_stats import ROUND_TOL, sample_indices
+from qcollect.compressors._entropy_stats import ROUND_TOL, sample_indices
 
 KEY = jax.random.key(7)
 FULL = qc.entropy(sample_fraction=1.0)

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import qcollect as qc
-from qcollect._golomb import rice_decode, rice_encode, rice_parameter, stream_layout
-from qcollect._sparse import EMPTY_INDEX
+from qcollect.coding._golomb import rice_decode, rice_encode, rice_parameter, stream_layout
+from qcollect.coding._sparse import EMPTY_INDEX
 
 _CODEC = {}
 

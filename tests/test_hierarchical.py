@@ -261,7 +261,7 @@ def test_transform_error_feedback_over_both_axes():
 def test_ring_reduce_scatter_inside_nodes_gives_the_same_sums(monkeypatch):
     """Across processes on CPU the reduce-scatter inside a node is a ppermute ring;
     it sums exactly what psum_scatter does (here forced on one process)."""
-    from qcollect import _hierarchical
+    from qcollect.collectives import _hierarchical
 
     n = 8
     tree = _tree(n, np.random.default_rng(11), length=29)

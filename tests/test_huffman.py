@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from qcollect import _huffman as hf
+from qcollect.coding import _huffman as hf
 
 K = 64  # one alphabet size for most tests: histograms are zero-padded to it
 

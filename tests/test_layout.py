@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 import qcollect as qc
-from qcollect._layout import plan_segments
+from qcollect.collectives._layout import plan_segments
 from tests.helpers import per_device
 
 

@@ -8,7 +8,7 @@ import pytest
 
 import qcollect as qc
 import transforms
-from qcollect._messages import pack, unpack
+from qcollect.collectives._messages import pack, unpack
 from tests.helpers import per_device
 
 N = 4

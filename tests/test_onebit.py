@@ -57,8 +57,8 @@ def test_buckets_of_whole_words_are_coded_in_one_read(size):
     reduction (`_bucket_statistics`): the words of packing the signs, sums equal to
     separate reductions up to their order, and one kernel reading the input
     where three did; padding after the last value packs as 0."""
-    from qcollect import _onebit
-    from qcollect._groups import bucket_groups, flat_codes, overflow_safe_scale, to_view
+    from qcollect.compressors import _onebit
+    from qcollect.compressors._groups import bucket_groups, flat_codes, overflow_safe_scale, to_view
 
     x = jax.random.normal(jax.random.key(size), (size,)) * jnp.exp(
         jax.random.normal(jax.random.key(1), (size,)))

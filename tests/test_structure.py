@@ -18,7 +18,7 @@ import pytest
 
 import qcollect as qc
 import transforms
-from qcollect._layout import plan_segments
+from qcollect.collectives._layout import plan_segments
 from tests.helpers import block, mesh_of, per_device, sharded_update, stacked_on_mesh, unblock
 
 SHAPES = [(), (1,), (7,), (64,), (33, 5), (16, 48), (3, 3, 4, 8), (2, 5, 6, 3)]

@@ -142,7 +142,7 @@ def test_bytes_by_axis_on_one_axis_and_without_a_mesh():
 
 
 def test_iota_replica_groups_are_read():
-    from qcollect._wire import _device_groups
+    from qcollect.measure._wire import _device_groups
 
     line = "all-reduce(%p), replica_groups=[4,2]<=[2,4]T(1,0), to_apply=%sum"
     assert _device_groups(line) == ((0, 4), (1, 5), (2, 6), (3, 7))
@@ -248,7 +248,7 @@ ENTRY %main (x: (s32[], f32[8])) -> (s32[], f32[8]) {
 
 
 def test_a_loop_condition_counts_once_more_than_the_body():
-    from qcollect._wire import report_from_hlo
+    from qcollect.measure._wire import report_from_hlo
 
     known = _LOOP_HLO.replace("TRIP", 'backend_config={"known_trip_count":{"n":"3"}}')
     (op,) = report_from_hlo(known)

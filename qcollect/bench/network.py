@@ -67,10 +67,10 @@ collectives inside a node that the hierarchical all-reduce can use
 carries: a buffer cut into 1 to 128 arrays summed by one ``lax.psum`` of the
 list against `qcollect.fused_psum`, and a one-bit payload sent by one
 ``ppermute`` per array against qcollect's `permute`, which packs them
-(`qcollect.bench._network.message_probe`, `qcollect._messages`).
+(`qcollect.bench._network.message_probe`, `qcollect.collectives._messages`).
 
 ``--swap-probe`` times, instead, a swap of the buffer between devices r and
-r + N/2 in one collective-permute and in the pieces `qcollect._ring.permute`
+r + N/2 in one collective-permute and in the pieces `qcollect.collectives._ring.permute`
 sends across processes on the CPU backend (Gloo moves one large swap at about
 half the link rate).
 """

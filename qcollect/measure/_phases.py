@@ -1,0 +1,184 @@
+"""Phase marks: the names a phased program gives the branches it switches between.
+
+A transformation that switches phases on a step count (PowerSGD's warm-up
+and compressed steps, GradiVeQ's warm-up, sampling and compressed steps)
+runs each phase's collectives inside a ``lax.cond`` (or ``lax.switch``)
+branch. The compiled program holds every branch, so reading it says what
+each branch sends but not which phase a branch is (`qcollect.wire_bytes`
+counts the costliest or the cheapest). `phase` names it: the branch's code
+runs under ``with qc.phase("compressed"):``, a `jax.named_scope` whose name
+travels into the compiled HLO as each instruction's ``op_name`` metadata.
+`wire_bytes_by_phase` reads those marks back and measures each phase of a
+compiled step, a user's own jitted step included: no second program, no
+state set to a chosen step.
+
+A mark may name several phases that run the same code (GradiVeQ's warm-up
+and sampling steps). Marks nest; an instruction belongs to its innermost
+mark, so a transformation inside another's branch names its own phases.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+import jax
+
+from qcollect.measure._hlo import check_branches, compiled_text, parse
+from qcollect.measure._wire import report_from_hlo, total_bytes
+
+__all__ = ["phase", "wire_bytes_by_phase"]
+
+#: The scope prefix that marks a phase in ``op_name`` metadata.
+MARK = "qcollect.phase="
+_NAME = re.compile(r"[A-Za-z0-9_\-]+")
+_FOUND = re.compile(r'op_name="([^"]*)"')
+_LAST = re.compile(re.escape(MARK) + r"([A-Za-z0-9_\-,]+)")
+
+
+def phase(*names: str):
+    """A context manager that marks the collectives traced inside it as
+    belonging to the phases ``names``.
+
+    Use it inside each branch of the ``lax.cond`` / ``lax.switch`` that picks
+    a phase; `qcollect.wire_bytes_by_phase` then reports each phase by name.
+    Outside a conditional a mark names the one phase the program is always
+    in. It changes nothing in the computation: it is a `jax.named_scope`.
+
+    Args:
+      *names: one or more phase names, each of letters, digits, ``-`` and
+        ``_`` (several when the branch serves several phases).
+
+    Raises:
+      ValueError: no name, or a name with another character.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, qcollect as qc
+      >>> def step(x, count):
+      ...     def warm_up(x):
+      ...         with qc.phase("warm-up"):
+      ...             return x + 1.0
+      ...     def compressed(x):
+      ...         with qc.phase("compressed"):
+      ...             return x * 2.0
+      ...     return jax.lax.cond(count < 10, warm_up, compressed, x)
+      >>> float(jax.jit(step)(jnp.float32(3.0), 0))
+      4.0
+    """
+    if not names:
+        raise ValueError("phase needs at least one name")
+    for name in names:
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise ValueError("phase names must be non-empty strings of letters, digits, '-' "
+                             f"and '_', got {name!r}")
+    return jax.named_scope(MARK + ",".join(names))
+
+
+def phase_names(line: str) -> frozenset[str]:
+    """The phases of one HLO instruction: those of the innermost mark in its
+    ``op_name`` metadata (empty when it has none)."""
+    found = _FOUND.search(line)
+    if found is None:
+        return frozenset()
+    marks = _LAST.findall(found.group(1))
+    return frozenset(marks[-1].split(",")) if marks else frozenset()
+
+
+def _runs(rest: str, line: str) -> list[str]:
+    """The computations an instruction (``rest``: from its opcode on) runs as
+    control flow: loop body and condition, conditional branches, calls; not
+    fused computations or reducers, which the compiler may share between
+    branches."""
+    names = re.findall(r"(?:body|condition|true_computation|false_computation)=%([\w.\-]+)",
+                       line)
+    for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+        names += re.findall(r"%([\w.\-]+)", group)
+    if rest.split("(", 1)[0].strip() in ("call", "async-start"):
+        names += re.findall(r"calls=%([\w.\-]+)", line)
+    return names
+
+
+def marked_phases(comp: str, comps: dict, memo: dict) -> frozenset[str]:
+    """The phases marked on ``comp``'s instructions and on those of the
+    computations it runs (`_runs`), at any depth.
+
+    Args:
+      comp: a computation name of the parsed HLO.
+      comps: ``{computation: [(name, shape, rest, line), ...]}``, as
+        `qcollect.measure._wire` parses it.
+      memo: a cache shared across calls on the same ``comps``.
+    """
+    if comp not in memo:
+        memo[comp] = frozenset()  # a cycle adds nothing
+        found: set[str] = set()
+        for _name, _shape, rest, line in comps.get(comp, ()):
+            found |= phase_names(line)
+            for callee in _runs(rest, line):
+                found |= marked_phases(callee, comps, memo)
+        memo[comp] = frozenset(found)
+    return memo[comp]
+
+
+def program_phases(comps: dict) -> list[str]:
+    """Every phase marked anywhere in the parsed program, sorted."""
+    return sorted({name for lines in comps.values() for *_, line in lines
+                   for name in phase_names(line)})
+
+
+def _in_phase(name: str, memo: dict):
+    """`qcollect.measure._wire.report_from_hlo`'s ``eligible``: of a conditional's
+    branches, those marked with phase ``name``, or all when none is."""
+
+    def eligible(branches: list[str], comps: dict) -> list[str]:
+        return [b for b in branches if name in marked_phases(b, comps, memo)] or branches
+
+    return eligible
+
+
+def wire_bytes_by_phase(fn, *args, branches: Literal["max", "min"] = "max",
+                        **kwargs) -> dict[str, int]:
+    """`qcollect.wire_bytes` of one call in each phase that the compiled
+    ``fn(*args)`` marks (`phase`).
+
+    A transformation that switches phases on its step count compiles every
+    phase into one program, a ``lax.cond`` whose branches it marks;
+    `qcollect.wire_bytes` counts the costliest (or the cheapest) branch
+    whatever the step. For each phase, this counts the branches marked with
+    it (or holding a branch marked with it, deeper inside) and every
+    collective outside the marked conditionals, which runs in every phase.
+    Which steps fall in which phase is the transformation's schedule
+    (`transforms.powersgd_phases`, `transforms.gradiveq_phases`); what a
+    run sends is the sum over its steps.
+
+    Args:
+      fn, args, kwargs: as for `qcollect.wire_bytes`; ``fn`` may be a user's
+        own jitted training step that holds the transformation.
+      branches: which branch counts at a conditional none of whose branches
+        is marked with the phase: ``"max"`` (default) or ``"min"``.
+
+    Returns:
+      ``{phase name: bytes per device and call}``, sorted by name; ``{}``
+      for a program that marks no phase.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, qcollect as qc
+      >>> from jax import lax
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((4,), ("d",), devices=jax.devices()[:4])
+      >>> def step(g, count):
+      ...     def warm_up(g):
+      ...         with qc.phase("warm-up"):
+      ...             return lax.psum(g, "d")
+      ...     def compressed(g):   # a quarter of the values, repeated
+      ...         with qc.phase("compressed"):
+      ...             return jnp.tile(lax.psum(g[:256], "d"), 4)
+      ...     return lax.cond(count < 10, warm_up, compressed, g)
+      >>> f = jax.shard_map(step, mesh=mesh, in_specs=(P(), P()), out_specs=P())
+      >>> qc.wire_bytes_by_phase(f, jnp.zeros(1024), 0)   # 2 (4-1)/4 of 1 and 4 KiB
+      {'compressed': 1536, 'warm-up': 6144}
+    """
+    check_branches(branches)
+    hlo = compiled_text(fn, *args, **kwargs)
+    memo: dict = {}
+    return {name: total_bytes(report_from_hlo(hlo, branches, _in_phase(name, memo)))
+            for name in program_phases(parse(hlo)[0])}

@@ -1,0 +1,334 @@
+"""Wire bytes measured from the compiled program, not computed from a config.
+
+`wire_bytes(fn, *args)` compiles ``jax.jit(fn)`` for ``args``, reads the
+optimised HLO, and adds up what each device sends in its collectives:
+
+=====================  =============================================
+op                     bytes sent per device
+=====================  =============================================
+collective-permute     operand bytes (devices that only send to
+                       themselves send nothing)
+all-gather             ``(N - 1) *`` operand bytes (ring all-gather)
+all-reduce             ``2 (N - 1) / N *`` operand bytes (ring)
+reduce-scatter         ``(N - 1) / N *`` operand bytes
+all-to-all             ``(N - 1) / N *`` operand bytes
+=====================  =============================================
+
+N is the size of the op's replica group. The per-op figures are those of the
+bandwidth-optimal algorithms (Gibiansky, "Bringing HPC Techniques to Deep
+Learning"), so an XLA all-reduce and qcollect's ring all-reduce of the same
+buffer count the same. Collectives inside a while loop count once per
+iteration of its body (XLA's ``known_trip_count``), those of its condition
+once more; a loop that runs no collective, at any depth, sends nothing and
+needs no trip count, while one that does and has no known trip count (a
+data-dependent ``lax.while_loop``) raises ValueError naming the loop. Of a
+conditional's branches the largest counts, since one runs per call
+(``branches="min"``: the smallest). Which branch is which phase of a
+transformation that switches phases with ``lax.cond`` is read from its
+marks by `qcollect.wire_bytes_by_phase`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Literal
+
+import jax
+
+from qcollect.measure._hlo import (
+    attribute,
+    callees,
+    check_branches,
+    compiled_text,
+    operands,
+    parse,
+    shape_bytes,
+)
+
+__all__ = ["wire_bytes", "wire_bytes_by_axis", "wire_report", "WireOp"]
+
+_COLLECTIVES = ("collective-permute", "all-gather", "all-reduce", "reduce-scatter", "all-to-all")
+
+
+@dataclasses.dataclass(frozen=True)
+class WireOp:
+    """One collective of the compiled program and what it sends per device.
+
+    ``devices``: the device groups it runs over, as partition ids (its
+    replica groups; for a collective-permute, its source-target pairs); None
+    when the program does not list them (every device). ``arrays``: the
+    operands it carries (XLA combines all-reduces into one of several
+    operands; across processes on the CPU backend each is an exchange of its
+    own, `qcollect.collectives._messages`).
+    """
+
+    op: str
+    computation: str
+    operand_bytes: int
+    group_size: int
+    bytes_per_call: float
+    multiplicity: int
+    devices: tuple[tuple[int, ...], ...] | None = None
+    arrays: int = 1
+
+
+def _group_size(line: str, default: int) -> int:
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
+    if m:
+        return int(m.group(2))
+    m = re.search(r"replica_groups=\{\{([0-9,]+)\}", line)
+    if m:
+        return len(m.group(1).split(","))
+    return default
+
+
+def _device_groups(line: str) -> tuple[tuple[int, ...], ...] | None:
+    """Replica groups (or source-target pairs) of one collective, as ids.
+
+    Both spellings of replica groups: explicit ``{{0,1},{2,3}}`` and iota
+    ``[G,S]<=[d0,d1,...]`` with an optional transpose ``T(p0,p1,...)``.
+    """
+    if "source_target_pairs=" in line:
+        pairs = re.findall(r"\{(\d+),(\d+)\}", line.split("source_target_pairs=", 1)[1]
+                           .split("}}", 1)[0] + "}")
+        return tuple((int(a), int(b)) for a, b in pairs)
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", line)
+    if m:
+        import numpy as np
+
+        dims = [int(d) for d in m.group(3).split(",")]
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        if m.group(4):
+            ids = ids.transpose([int(p) for p in m.group(4).split(",")])
+        ids = ids.reshape(int(m.group(1)), int(m.group(2)))
+        return tuple(tuple(int(i) for i in row) for row in ids)
+    m = re.search(r"replica_groups=\{(\{[0-9,{}]*\})\}", line)
+    if m:
+        return tuple(tuple(int(i) for i in g.split(",") if i)
+                     for g in re.findall(r"\{([0-9,]*)\}", m.group(1)))
+    return None
+
+
+def _permute_factor(line: str) -> float:
+    pairs = re.findall(r"\{(\d+),(\d+)\}", line.split("source_target_pairs=", 1)[-1])
+    devices = {int(d) for pair in pairs for d in pair}
+    moving = sum(1 for s, t in pairs if s != t)
+    return moving / len(devices) if devices else 0.0
+
+
+def wire_report(fn, *args, branches: Literal["max", "min"] = "max", **kwargs) -> list[WireOp]:
+    """The collectives of ``jax.jit(fn)(*args)`` with their bytes per device.
+
+    ``branches``: ``"max"`` or ``"min"``, which branch of each conditional
+    is reported (see `wire_bytes`).
+    """
+    check_branches(branches)
+    return report_from_hlo(compiled_text(fn, *args, **kwargs), branches)
+
+
+def _holds_collective(comp: str, comps, memo: dict[str, bool]) -> bool:
+    """True when ``comp`` or any computation it runs, at any depth, has a collective."""
+    if comp not in memo:
+        memo[comp] = False  # a cycle adds nothing
+        for _, _shape, rest, line in comps.get(comp, ()):
+            base = rest.split("(", 1)[0].strip().removesuffix("-start").removesuffix("-done")
+            if base in _COLLECTIVES or any(_holds_collective(c, comps, memo)
+                                           for c in callees(line)):
+                memo[comp] = True
+                break
+    return memo[comp]
+
+
+def report_from_hlo(hlo: str, branches: Literal["max", "min"] = "max",
+                    eligible=None) -> list[WireOp]:
+    """The collectives of the optimised ``hlo`` (see `wire_report`).
+
+    ``eligible(branch_names, comps) -> names``: which branches of a
+    conditional may run (`qcollect.measure._phases`; default all); ``branches``
+    picks among them.
+    """
+    pick = max if branches == "max" else min
+    comps, shapes, entry, default_group = parse(hlo)
+    ops: list[WireOp] = []
+    memo: dict[str, bool] = {}
+
+    def holds(comp: str) -> bool:
+        return _holds_collective(comp, comps, memo)
+
+    def visit(comp: str, multiplicity: int, seen: tuple[str, ...]):
+        if comp in seen or comp not in comps:
+            return
+        for name, _shape, rest, line in comps[comp]:
+            opname = rest.split("(", 1)[0].strip()
+            base = opname.removesuffix("-start")
+            if base in _COLLECTIVES and not opname.endswith("-done"):
+                names = operands(rest)
+                operand = sum(shape_bytes(shapes.get(o, "")) for o in names)
+                n = _group_size(line, default_group)
+                factor = {
+                    "collective-permute": _permute_factor(line),
+                    "all-gather": n - 1,
+                    "all-reduce": 2 * (n - 1) / n,
+                    "reduce-scatter": (n - 1) / n,
+                    "all-to-all": (n - 1) / n,
+                }[base]
+                ops.append(WireOp(base, comp, operand, n, operand * factor, multiplicity,
+                                  _device_groups(line), len(names)))
+            if opname == "while":
+                body = attribute(r"body=%([\w.\-]+)", line)
+                condition = attribute(r"condition=%([\w.\-]+)", line)
+                if not (holds(body) or holds(condition)):
+                    continue  # sends nothing, however many times it runs
+                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                if trip is None:
+                    raise ValueError(f"while loop %{name} (body %{body}) runs a collective "
+                                     "but has no known trip count; its wire bytes would "
+                                     "depend on data")
+                trips = int(trip.group(1))
+                visit(body, multiplicity * trips, seen + (comp,))
+                visit(condition, multiplicity * (trips + 1), seen + (comp,))
+            elif opname == "conditional":
+                branches = re.findall(r"%([\w.\-]+)", attribute(
+                    r"branch_computations=\{([^}]*)\}|(true_computation=%[\w.\-]+, "
+                    r"false_computation=%[\w.\-]+)", line))
+                costs = []
+                for b in branches if eligible is None else eligible(branches, comps):
+                    before = len(ops)
+                    visit(b, multiplicity, seen + (comp,))
+                    costs.append((sum(o.bytes_per_call * o.multiplicity for o in ops[before:]),
+                                  ops[before:]))
+                    del ops[before:]
+                if costs:
+                    ops.extend(pick(costs, key=lambda c: c[0])[1])
+            elif not opname.endswith("-done"):
+                for callee in re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", line):
+                    visit(callee, multiplicity, seen + (comp,))
+
+    visit(entry, 1, ())
+    return ops
+
+
+def wire_bytes(fn, *args, branches: Literal["max", "min"] = "max", **kwargs) -> int:
+    """Bytes each device sends in the collectives of the compiled ``fn(*args)``.
+
+    Measured from the optimised HLO of ``jax.jit(fn)`` (see the module
+    docstring for how each collective counts). ``fn`` is typically a
+    `jax.shard_map` or `jax.pmap` function. ``branches``: which branch of a
+    conditional counts, ``"max"`` (default, the most a call can send) or
+    ``"min"`` (the least).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, qcollect as qc
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((jax.device_count(),), ("d",))
+      >>> f = jax.shard_map(lambda v: jax.lax.psum(v, "d"), mesh=mesh,
+      ...                   in_specs=P("d"), out_specs=P())
+      >>> qc.wire_bytes(f, jnp.zeros(jax.device_count() * 1024))  # doctest: +SKIP
+      7168
+    """
+    return total_bytes(wire_report(fn, *args, branches=branches, **kwargs))
+
+
+def total_bytes(ops) -> int:
+    """What the ops of a `wire_report` send per device, rounded to a byte."""
+    return int(round(sum(op.bytes_per_call * op.multiplicity for op in ops)))
+
+
+def _find_mesh(args, kwargs):
+    for leaf in jax.tree.leaves((args, kwargs)):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            return sharding.mesh
+    return None
+
+
+def _axes_of(groups, mesh) -> tuple[str, ...]:
+    """The mesh axes along which the devices of any one group differ."""
+    import numpy as np
+
+    shape = tuple(mesh.devices.shape)
+    size = int(np.prod(shape))
+    axes = set()
+    for group in groups:
+        if any(i >= size for i in group):
+            raise ValueError(f"the program runs a collective over device {max(group)}, "
+                             f"but the mesh has {size} devices")
+        coords = np.array(np.unravel_index(np.asarray(group), shape)).T
+        axes |= {k for k in range(len(shape)) if len(set(coords[:, k])) > 1}
+    return tuple(name for k, name in enumerate(mesh.axis_names) if k in axes)
+
+
+def wire_bytes_by_axis(fn, *args, mesh=None, branches: Literal["max", "min"] = "max",
+                       **kwargs) -> dict:
+    """`wire_bytes` split by the mesh axes each collective runs over.
+
+    Each collective's device groups (replica groups, or a collective-permute's
+    source-target pairs, read from the compiled HLO) are mapped to mesh
+    coordinates; its bytes count under the axes along which the devices of a
+    group differ: a name (``"node"``) for one axis, a tuple of names in mesh
+    order for several (``("node", "local")``, a psum over both). The values
+    add up to `wire_bytes`. On a multi-node mesh this is what crosses the
+    slow network and what stays inside a node.
+
+    Args:
+      fn, args, kwargs, branches: as for `wire_bytes`.
+      mesh: the `jax.sharding.Mesh` the program runs on; by default the mesh
+        of the first argument with a ``NamedSharding``. Partition ``i`` is the
+        device at flat position ``i`` of ``mesh.devices``.
+
+    Returns:
+      ``{axis name or tuple of names: bytes per device}``, without zero entries.
+
+    Raises:
+      ValueError: no mesh was given or found, or the program's devices are
+        not the mesh's.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, qcollect as qc
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((2, 4), ("node", "local"))
+      >>> x = jax.device_put(jnp.zeros((8, 1024)), NamedSharding(mesh, P(("node", "local"))))
+      >>> f = jax.shard_map(lambda v: jax.lax.psum(jax.lax.psum(v, "local"), "node"),
+      ...                   mesh=mesh, in_specs=P(("node", "local")), out_specs=P())
+      >>> qc.wire_bytes_by_axis(f, x)   # 2(L-1)/L and 2(M-1)/M of 4 KiB
+      {'local': 6144, 'node': 4096}
+    """
+    mesh = mesh if mesh is not None else _find_mesh(args, kwargs)
+    if mesh is None:
+        raise ValueError("wire_bytes_by_axis needs the mesh: pass mesh=, or arguments "
+                         "placed with a NamedSharding")
+    totals: dict = {}
+    everything = tuple(mesh.axis_names)
+    for op in wire_report(fn, *args, branches=branches, **kwargs):
+        sent = op.bytes_per_call * op.multiplicity
+        if sent == 0:
+            continue
+        groups = op.devices
+        if op.op == "collective-permute" and groups is not None:
+            groups = tuple(pair for pair in groups if pair[0] != pair[1])
+        axes = everything if groups is None else _axes_of(groups, mesh)
+        key = axes[0] if len(axes) == 1 else axes
+        totals[key] = totals.get(key, 0.0) + sent
+    return {k: int(round(v)) for k, v in totals.items() if round(v)}
+
+
+def bytes_along(split: dict, axis: str) -> int:
+    """Bytes of a `wire_bytes_by_axis` result sent by collectives that run over
+    ``axis``, alone or with other axes (what crosses between nodes, for the
+    ``"node"`` axis). Keys may be names, tuples of names, or names joined by
+    commas (the examples' JSON).
+
+    Example:
+      >>> import qcollect as qc
+      >>> qc.bytes_along({"local": 6144, "node": 4096, ("node", "local"): 100}, "node")
+      4196
+    """
+
+    def axes(key) -> tuple:
+        if isinstance(key, tuple):
+            return key
+        return tuple(key.split(","))
+
+    return sum(int(count) for key, count in split.items() if axis in axes(key))
+
