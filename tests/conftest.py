@@ -25,3 +25,25 @@ settings.register_profile(
 settings.register_profile("thorough", deadline=None, max_examples=300,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+#: Test modules that run whole programs: the examples and the training gate,
+#: notebooks, the docs' code blocks, launched processes and cluster engines,
+#: benchmarks, the type checker. They carry the ``integration`` marker, so
+#: ``python -m pytest -q -n auto -m "not slow and not integration"`` runs the
+#: unit tests alone (the fast tier of docs/README.md#tests).
+INTEGRATION = frozenset({
+    "test_bench_compile", "test_bench_network", "test_checkpoint", "test_clusters",
+    "test_compile_transforms", "test_docs", "test_examples", "test_launch",
+    "test_launch_faults", "test_lm_example", "test_model_axes", "test_notebooks",
+    "test_same_results", "test_training_gate", "test_types",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks every test of an `INTEGRATION` module ``integration``."""
+    import pytest
+
+    for item in items:
+        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in INTEGRATION:
+            item.add_marker(pytest.mark.integration)
