@@ -10,6 +10,14 @@ one contract::
     qc.payload_bytes(payload)          # bytes that travel (static)
     c.linear                           # decode(sum of payloads) == sum of decodes
 
+This flat namespace is the public API: every name in ``__all__`` below, plus
+the modules `qcollect.checks` (argument checks) and `qcollect.varying`
+(shard_map's varying axes). The subpackages hold the implementation and
+re-export nothing: ``coding/`` (bit-level wire formats), ``compressors/``
+(the codecs and their statistics), ``collectives/`` (ring and compressed
+collectives) and ``measure/`` (wire bytes and memory traffic read from the
+compiled program). docs/README.md has the map of the package and its pages.
+
 qcollect imports jax and numpy only; the optax layer is the `transforms`
 package, installed by the same distribution.
 """

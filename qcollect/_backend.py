@@ -1,94 +1,294 @@
-"""What qcollect does only because a backend needs it: every workaround, in one list.
+"""The register of what qcollect does only because a backend needs it.
 
-Each entry names the backend that needs it (as measured with jaxlib 0.10 on
-CPU), where the workaround lives, the *guard* (a test that fails if the
-workaround is removed while it is still needed) and the *probe* (a check
-that fails, or a benchmark that shows it, once the backend no longer needs
-it: then the workaround can go). The probes that are unit tests live in
-``tests/test_backend.py``.
+Every backend-specific branch and every compiler workaround of the package
+is an entry here: an `Entry` constant (in `ENTRIES`) saying which backend
+behaves so, what it does, what qcollect does about it and why, what each
+platform gets, and the test of ``tests/test_backend.py`` that guards it (it
+fails if the workaround is removed while it is still needed) or probes it
+(it fails once the backend no longer needs it: then the workaround can go).
+Code elsewhere that applies a workaround carries a one-line pointer to its
+entry, and this is the only module of the library that looks at the backend
+(``jax.default_backend()``, ``jax.process_count()``); a choice that differs
+by platform is a table from platform name to the choice (`SPLIT_SWAPS`,
+`RING_INSIDE_NODES`), ``"cpu"`` as measured and ``"gpu"``/``"tpu"`` what
+they get instead.
 
-1. **bfloat16 collectives travel widened** (XLA:CPU): a bfloat16
-   collective-permute or all-gather is converted to float32 for the
-   transfer, doubling its bytes (float16 is not). qcollect sends the
-   bit-identical uint16 words of both 16-bit floats instead (`narrow_word`;
-   `qcollect.collectives._ring.permute`, `qcollect.collectives._ring.all_gather_invariant`). Guard:
-   ``tests/test_ring.py::test_ring_all_gather_of_16_bit_floats_equals_all_gather_at_16_bits``
-   and the 16-bit wire-byte tests of ``tests/test_wire.py``. Probe:
-   ``tests/test_backend.py::test_xla_cpu_widens_16_bit_collective_permutes``.
-2. **A swap between two processes crawls in one piece** (Gloo, the CPU
-   backend across processes): a permutation in which two devices send to
-   each other moves one large buffer at well under the link rate, as if
-   the two directions took turns; in pieces of `SWAP_PIECE_BYTES` it keeps
-   up with ``psum`` (`split_swaps`, `ppermute_in_pieces`). Guard:
-   ``tests/test_ring.py::test_swaps_in_pieces_move_what_one_ppermute_moves``
-   (same values) and ``tests/launch_worker.py`` (across processes). Probe:
-   ``python -m qcollect.bench network --nproc 2 --bandwidth 1gbit
-   --swap-probe`` (timing, see docs/multiprocess.md).
-3. **Every array of a collective is a message of its own** (Gloo): across
-   processes each operand of a tuple all-reduce or permute costs about 6 ms
-   whatever its size, so a tree of small leaves pays per leaf.
-   `qcollect.collectives._messages` packs each exchange into one buffer of words
-   (`qcollect.fused_psum`, `qcollect.collectives._messages.send_packed`). Guard:
-   ``tests/test_messages.py`` (one operand per collective). Probe:
-   ``python -m qcollect.bench network --nproc 4 --message-probe``.
-4. **A max reduction can drop a NaN** (XLA:CPU's vectorised reduce: a row
-   of 4096 or more float32 values holding one NaN can reduce to 1.0 or
-   -inf). `propagate_nonfinite` adds ``sum(v - v)`` (zero, or NaN when
-   any value is not finite) to such a reduction; QSGD's scales and the
-   entropy quantizer's range (`qcollect.compressors._entropy_stats.extremes`) use it.
-   Guard: ``tests/test_contract.py::test_shapes_dtypes_zeros_and_non_finite_inputs``.
-   Probe: ``tests/test_backend.py::test_xla_cpu_max_can_drop_a_nan``.
-5. **Constant slice offsets compile a kernel per leaf** (XLA's fusion,
-   every backend): the offset of a static slice is a constant inside its
-   fusion, so two leaves of one shape compile two kernels.
-   `qcollect.collectives._offsets` computes the offsets at run time. Guard and probe:
-   ``tests/test_buckets.py::test_leaves_of_one_shape_share_their_kernels``.
-6. **A reduction of stacked scalars is copied into every consumer** (XLA's
-   algebraic simplifier): ``all(stack(flags))`` becomes a chain of ands,
-   duplicated into each leaf's update, a program quadratic in the leaves.
-   ``transforms._sharding.all_finite`` reads the flags through an identity
-   gather, which XLA never copies. Guard:
-   ``tests/test_tx_allreduce.py::test_finite_flag_is_reduced_once``.
+Measured with jaxlib 0.10 on CPU, in one process and across processes
+(Gloo); GPU and TPU were not measured, and get the CPU's program wherever
+the workaround is harmless to them (bit-identical views, the same bytes).
+The measurements are in ``docs/collectives.md#backend-workarounds``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
+from typing import Literal, NamedTuple
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-__all__ = ["SWAP_PIECE_BYTES", "narrow_word", "ppermute_in_pieces", "propagate_nonfinite",
-           "split_swaps"]
+__all__ = ["ENTRIES", "RING_INSIDE_NODES", "SPLIT_SWAPS", "SWAP_PIECE_BYTES", "Entry",
+           "Platform", "has_swap", "narrow_word", "ppermute_in_pieces", "propagate_nonfinite",
+           "ring_inside_nodes", "split_swaps"]
+
+#: The platforms a choice is keyed by (``jax.default_backend()``'s names).
+Platform = Literal["cpu", "gpu", "tpu"]
+
+
+class Entry(NamedTuple):
+    """One backend behaviour that qcollect works around.
+
+    Attributes:
+      backend: the compiler or runtime that behaves so, and on which platform.
+      behaviour: what it does, as measured.
+      workaround: what qcollect does instead, why, and the code that does it.
+      platforms: what each platform gets (``"cpu"`` as measured).
+      test: the guard or probe, a test function of ``tests/test_backend.py``.
+    """
+
+    backend: str
+    behaviour: str
+    workaround: str
+    platforms: str
+    test: str
+
+
+_EVERYWHERE = "every platform (measured on cpu; gpu and tpu get the same program, unmeasured)"
+
+WIDE_16_BIT = Entry(
+    backend="XLA:CPU",
+    behaviour="a bfloat16 collective-permute or all-gather is converted to float32 for the "
+              "transfer, doubling its bytes (float16 is not)",
+    workaround="16-bit floats travel as their bit-identical uint16 words (`narrow_word`: "
+               "qc.permute, qc.exchange_chunks, qc.all_gather_invariant, qc.ring_all_gather, "
+               "which gathers the words hop by hop so no float view is fused into the buffer "
+               "update)",
+    platforms=_EVERYWHERE,
+    test="test_xla_cpu_widens_bfloat16_collective_permutes",
+)
+
+SLOW_SWAPS = Entry(
+    backend="Gloo (the CPU backend across processes)",
+    behaviour="a permutation in which two devices send to each other moves one large buffer "
+              "at well under the link rate, as if the two directions took turns",
+    workaround="such a permutation moves buffers over `SWAP_PIECE_BYTES` in pieces of that "
+               "size, which keep up with psum (`split_swaps`, `ppermute_in_pieces`, used by "
+               "qc.permute); a ring of three or more devices has no swap",
+    platforms="`SPLIT_SWAPS`: cpu across processes splits; one process never does",
+    test="test_swaps_split_across_processes_on_cpu_only",
+)
+
+MESSAGE_PER_ARRAY = Entry(
+    backend="Gloo (the CPU backend across processes)",
+    behaviour="every operand of a collective (a tuple all-reduce, one ppermute per leaf) is "
+              "an exchange of its own, about 6 ms each whatever its size",
+    workaround="each exchange packs its arrays into one buffer of words, bit for bit "
+               "(`send_packed` of the collectives, qc.fused_psum); the bytes are the same",
+    platforms=_EVERYWHERE,
+    test="test_a_pytree_moves_as_one_message",
+)
+
+MAX_DROPS_NAN = Entry(
+    backend="XLA:CPU's vectorised reduce",
+    behaviour="a max over a row of 4096 or more float32 values holding one NaN can reduce "
+              "to a number (1.0 or -inf)",
+    workaround="`propagate_nonfinite` adds sum(v - v) (zero, or NaN when a value is not "
+               "finite) to such a reduction: QSGD's bucket scales and the entropy "
+               "quantizer's range",
+    platforms=_EVERYWHERE,
+    test="test_xla_cpu_max_can_drop_a_nan",
+)
+
+CONSTANT_OFFSETS = Entry(
+    backend="XLA's fusion (every platform)",
+    behaviour="a static slice offset is a constant inside its fusion, so two leaves of one "
+              "shape compile two kernels, and the program's code grows with the leaves",
+    workaround="the collectives cut their results at offsets computed at run time (a sort "
+               "of constant pairs keyed on a value of the array; `runtime_offsets`, "
+               "`runtime_slices` of the collectives)",
+    platforms=_EVERYWHERE,
+    test="test_runtime_offsets_are_not_constants",
+)
+
+LITERAL_OPERANDS = Entry(
+    backend="jax.shard_map and XLA's sharding propagation (every platform)",
+    behaviour="every array literal inside a shard_map body becomes an operand of the body, "
+              "and the sharding propagation is quadratic in those operands",
+    workaround="the runtime offsets are broadcast scalars (`lax.full`), never array "
+               "literals (`runtime_offsets`)",
+    platforms=_EVERYWHERE,
+    test="test_runtime_offsets_hold_no_array_literals",
+)
+
+STACKED_FLAGS_COPIED = Entry(
+    backend="XLA's algebraic simplifier (every platform)",
+    behaviour="all(stack(flags)) becomes a chain of ands, copied into each consumer: a "
+              "program quadratic in the leaves",
+    workaround="the transforms' finite check (`all_finite` of transforms/_finite.py) reads "
+               "the flags through an identity gather, which XLA never copies",
+    platforms=_EVERYWHERE,
+    test="test_xla_copies_a_reduction_of_stacked_flags",
+)
+
+RING_IN_NODES = Entry(
+    backend="Gloo (the CPU backend across processes)",
+    behaviour="Gloo carries every collective, those inside a process too, and its "
+              "reduce-scatter of 4 devices' 64 MiB ran in 785 ms where a ppermute ring of "
+              "the same bytes ran in 275 ms",
+    workaround="the uncompressed reduce-scatter inside a node of the hierarchical "
+               "collectives (qc.compressed_all_reduce and qc.compressed_reduce_scatter over "
+               "(outer, inner)) is the ppermute ring there (`ring_inside_nodes`)",
+    platforms="`RING_INSIDE_NODES`: cpu across processes rings; one process, gpu and tpu "
+              "use psum_scatter",
+    test="test_ring_inside_nodes_across_processes_on_cpu_only",
+)
+
+BATCH_OF_ONE_MISCOMPILED = Entry(
+    backend="XLA:CPU (jaxlib 0.10)",
+    behaviour="Gram-Schmidt's fused projection rest - sum(col * rest) col is miscompiled on "
+              "a stack with a size-1 batch axis ((1, 1000, 8): columns off by 0.1), while "
+              "one matrix or a batch of two or more is right",
+    workaround="the orthogonalisation of the PowerSGD compressors folds the leading axes "
+               "into one and drops it when it holds a single matrix (`gram_schmidt` of the "
+               "compressors)",
+    platforms=_EVERYWHERE,
+    test="test_xla_cpu_miscompiles_a_batch_of_one_matrix",
+)
+
+COLUMN_BLOCKS_IN_A_LOOP = Entry(
+    backend="XLA:CPU",
+    behaviour="a vmapped column codec over the side-by-side matrix runs over a transposed "
+              "copy, several times slower than a loop over the column blocks",
+    workaround="a column segment's chunks are coded one after the other (`lax.map`), each "
+               "read straight from the side-by-side matrix; row segments' contiguous chunks "
+               "are vmapped (the segments' chunk coding)",
+    platforms=_EVERYWHERE,
+    test="test_column_chunks_are_coded_in_a_loop",
+)
+
+DECODES_ADDED_ONE_BY_ONE = Entry(
+    backend="XLA:CPU",
+    behaviour="a sum over the major axis of stacked decodes runs many times slower than "
+              "the same adds one after the other",
+    workaround="the owner of a chunk decodes and adds one payload at a time, one fused "
+               "elementwise pass (the pairwise all-reduce, qc.compressed_reduce_scatter)",
+    platforms=_EVERYWHERE,
+    test="test_decodes_are_added_one_by_one",
+)
+
+REDUCTION_INPUTS_WRITTEN = Entry(
+    backend="XLA:CPU",
+    behaviour="an intermediate that feeds a reduction is written out in full when it is "
+              "shared with another consumer, a broadcast scalar operand, or fused with the "
+              "broadcast of the reduction's own result; sibling reductions of one array "
+              "read it once each",
+    workaround="the codecs shape their statistics: group sums as products with ones "
+               "(`group_sums`, 1-bit's bucket statistics), 1-bit's words and two sums as "
+               "one variadic reduce (one pass instead of three), only unary and same-shape "
+               "ops feeding 1-bit's counts, QSGD's max norm as max(max v, -min v) rather "
+               "than max |v|",
+    platforms=_EVERYWHERE,
+    test="test_statistics_are_shaped_for_xla_cpu",
+)
+
+TOP_K_ON_FLOATS = Entry(
+    backend="XLA:CPU",
+    behaviour="top_k is about 10 times faster on float32 keys than on int32 keys",
+    workaround="the adaptive quantizer selects on the bit patterns of |v| viewed as float32",
+    platforms=_EVERYWHERE,
+    test="test_adaptive_selects_on_float_keys",
+)
+
+SEPARATE_OUTER_PRODUCTS = Entry(
+    backend="XLA:CPU",
+    behaviour="k separate outer products run faster than one batched product",
+    workaround="qc.powersgd_reconstruct(stacked=False) forms each matrix as a product of "
+               "its own (also no consumer reads a slice of a (k, n, m) stack)",
+    platforms=_EVERYWHERE,
+    test="test_unstacked_reconstruction_is_separate_products",
+)
+
+PREFIX_SUMS_PER_WORD = Entry(
+    backend="XLA:CPU",
+    behaviour="an element-wise prefix sum over n values costs about ten passes over them",
+    workaround="the sparse coding packs the candidate mask into words and prefix-sums the "
+               "n / 32 word counts (`compact_words` of the coding: threshold's, adaptive's "
+               "and Golomb-Rice's index lists)",
+    platforms=_EVERYWHERE,
+    test="test_sparse_selection_prefix_sums_words",
+)
+
+#: Every entry, by name.
+ENTRIES: dict[str, Entry] = {
+    "WIDE_16_BIT": WIDE_16_BIT,
+    "SLOW_SWAPS": SLOW_SWAPS,
+    "MESSAGE_PER_ARRAY": MESSAGE_PER_ARRAY,
+    "MAX_DROPS_NAN": MAX_DROPS_NAN,
+    "CONSTANT_OFFSETS": CONSTANT_OFFSETS,
+    "LITERAL_OPERANDS": LITERAL_OPERANDS,
+    "STACKED_FLAGS_COPIED": STACKED_FLAGS_COPIED,
+    "RING_IN_NODES": RING_IN_NODES,
+    "BATCH_OF_ONE_MISCOMPILED": BATCH_OF_ONE_MISCOMPILED,
+    "COLUMN_BLOCKS_IN_A_LOOP": COLUMN_BLOCKS_IN_A_LOOP,
+    "DECODES_ADDED_ONE_BY_ONE": DECODES_ADDED_ONE_BY_ONE,
+    "REDUCTION_INPUTS_WRITTEN": REDUCTION_INPUTS_WRITTEN,
+    "TOP_K_ON_FLOATS": TOP_K_ON_FLOATS,
+    "SEPARATE_OUTER_PRODUCTS": SEPARATE_OUTER_PRODUCTS,
+    "PREFIX_SUMS_PER_WORD": PREFIX_SUMS_PER_WORD,
+}
 
 _NARROW_FLOATS = {jnp.dtype(jnp.bfloat16): jnp.uint16, jnp.dtype(jnp.float16): jnp.uint16}
 
-#: Pieces of a swap between two processes on the CPU backend (entry 2).
+#: Pieces of a swap between two processes (`SLOW_SWAPS`).
 SWAP_PIECE_BYTES = 1 << 18
 
+#: Whether a swap across processes moves in pieces, per platform (`SLOW_SWAPS`):
+#: measured on cpu (Gloo); gpu and tpu (NCCL, ICI) move it whole.
+SPLIT_SWAPS: dict[str, bool] = {"cpu": True, "gpu": False, "tpu": False}
 
-def narrow_word(dtype):
+#: Whether the reduce-scatter inside a node is a ppermute ring across
+#: processes, per platform (`RING_IN_NODES`): measured on cpu (Gloo); gpu and
+#: tpu use their own ``psum_scatter``.
+RING_INSIDE_NODES: dict[str, bool] = {"cpu": True, "gpu": False, "tpu": False}
+
+
+def narrow_word(dtype: jnp.dtype | type) -> type | None:
     """The unsigned word type that carries a 16-bit float dtype through a
-    collective bit for bit (entry 1); None for every other dtype."""
+    collective bit for bit (`WIDE_16_BIT`); None for every other dtype."""
     return _NARROW_FLOATS.get(jnp.dtype(dtype))
 
 
-def has_swap(perm) -> bool:
+def has_swap(perm: Sequence[tuple[int, int]]) -> bool:
     """Whether two devices of the permutation ``perm`` send to each other."""
     pairs = {(src, dst) for src, dst in perm if src != dst}
     return any((dst, src) in pairs for src, dst in pairs)
 
 
-def split_swaps(perm) -> bool:
-    """Whether ``perm``'s large transfers go in pieces (entry 2): several
-    processes on the CPU backend and a swap in the permutation. A ring of
-    three or more devices has no swap."""
-    return jax.process_count() > 1 and jax.default_backend() == "cpu" and has_swap(perm)
+def _across_processes(table: dict[str, bool]) -> bool:
+    """``table``'s choice for this backend when several processes run, else False."""
+    return jax.process_count() > 1 and table.get(jax.default_backend(), False)
 
 
-def ppermute_in_pieces(leaf: jax.Array, axis_name, perm, pieces: bool) -> jax.Array:
+def split_swaps(perm: Sequence[tuple[int, int]]) -> bool:
+    """Whether ``perm``'s large transfers go in pieces (`SLOW_SWAPS`): across
+    processes where `SPLIT_SWAPS` says so, and a swap in the permutation."""
+    return _across_processes(SPLIT_SWAPS) and has_swap(perm)
+
+
+def ring_inside_nodes() -> bool:
+    """Whether the uncompressed reduce-scatter inside a node is a
+    ``ppermute`` ring rather than ``lax.psum_scatter`` (`RING_IN_NODES`):
+    across processes where `RING_INSIDE_NODES` says so."""
+    return _across_processes(RING_INSIDE_NODES)
+
+
+def ppermute_in_pieces(leaf: jax.Array, axis_name: Hashable,
+                       perm: Sequence[tuple[int, int]], pieces: bool) -> jax.Array:
     """`lax.ppermute` of ``leaf``; with ``pieces``, a leaf over
     `SWAP_PIECE_BYTES` moves as that many bytes per collective-permute (the
-    same values and bytes on the wire)."""
+    same values and bytes on the wire; `SLOW_SWAPS`)."""
     nbytes = leaf.size * jnp.dtype(leaf.dtype).itemsize
     if not pieces or nbytes <= SWAP_PIECE_BYTES:
         return lax.ppermute(leaf, axis_name, perm)
@@ -99,8 +299,9 @@ def ppermute_in_pieces(leaf: jax.Array, axis_name, perm, pieces: bool) -> jax.Ar
     return jnp.concatenate(moved).reshape(leaf.shape)
 
 
-def propagate_nonfinite(reduced: jax.Array, values: jax.Array, axis: int) -> jax.Array:
+def propagate_nonfinite(reduced: jax.Array, values: jax.Array | np.ndarray,
+                        axis: int) -> jax.Array:
     """``reduced`` (a max or min of ``values`` along ``axis``) made NaN where
-    any of its values is NaN or infinite (entry 4): a sum always propagates
-    them, a vectorised max may not."""
+    any of its values is NaN or infinite (`MAX_DROPS_NAN`): a sum always
+    propagates them, a vectorised max may not."""
     return reduced + jnp.sum(values - values, axis=axis)

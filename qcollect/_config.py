@@ -6,6 +6,10 @@ for the compressors); this module adds the checks of what ``encode`` receives.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import jax
 import jax.numpy as jnp
 
 from qcollect.checks import check_choice, check_float, check_int
@@ -14,20 +18,26 @@ __all__ = ["check_choice", "check_float", "check_floating_input", "check_int", "
            "require_key"]
 
 
-def check_floating_input(x) -> None:
-    """Encoders take floating-point arrays only (float16, bfloat16, float32, float64)."""
+def check_floating_input(x: jax.Array) -> None:
+    """Raises TypeError unless ``x`` is a floating-point array.
+
+    Encoders take float16, bfloat16, float32 and float64 only (the
+    compressors quantize values relative to a floating-point scale).
+    """
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"x must be a floating-point array, got dtype {x.dtype}")
 
 
-def require_key(key, compressor: str):
+def require_key(key: jax.Array | None, compressor: str) -> jax.Array:
+    """``key``, or a ValueError naming ``compressor`` when it is None."""
     if key is None:
         raise ValueError(
             f"{compressor} is stochastic: encode(x, key) needs a PRNG key, got key=None")
     return key
 
 
-def per_leaf(treedef, value, single, name: str, what: str) -> list:
+def per_leaf(treedef: Any, value: Any, single: Callable[[Any], bool], name: str,
+             what: str) -> list[Any]:
     """``value`` for each leaf of ``treedef``: ``value`` itself for every leaf
     when ``single(value)``, else ``value`` flattened up to ``treedef`` (a
     pytree shaped like the leaves' tree).

@@ -44,7 +44,8 @@ class Payload:
     dtype: Any
     format: str
 
-    def __getitem__(self, name: str):
+    def __getitem__(self, name: str) -> jax.Array:
+        """The wire array ``name``: ``payload["codes"]`` is ``payload.arrays["codes"]``."""
         return self.arrays[name]
 
 
@@ -98,7 +99,8 @@ class Compressor:
         flattened row-major), ``"column"`` (columns of the array's matrix
         view, `qcollect.matrix_view`) or ``"leaf"`` (the whole array).
         `compressed_all_reduce` lays leaves out so that no group spans two
-        leaves or two devices (see `qcollect.collectives._layout`).
+        leaves or two devices (see `qcollect.leaf_chunks` and
+        docs/collectives.md#per-layer-groups-through-the-collective).
       masks_padding: True when ``encode`` takes ``valid=``, an int32 array
         with one count per group: the group's first ``valid[g]`` values are
         real and the rest is zero padding that must not enter its statistics
@@ -164,7 +166,7 @@ class Compressor:
     #: The fields that are the factory's settings, in its argument order.
     setting_names: ClassVar[tuple[str, ...]] = ()
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.setting_names:
             object.__setattr__(self, "settings",
                                tuple((k, getattr(self, k)) for k in self.setting_names))
@@ -175,7 +177,7 @@ class Compressor:
         object.__setattr__(self, "_layouts", {})
         object.__setattr__(self, "decode", _checked_decode(self, decode))
 
-    def _layout(self, shape, dtype) -> dict[str, jax.ShapeDtypeStruct]:
+    def _layout(self, shape: tuple[int, ...], dtype: Any) -> dict[str, jax.ShapeDtypeStruct]:
         """``{leaf name: jax.ShapeDtypeStruct}`` that ``encode`` makes for an
         array of ``shape`` and ``dtype`` (nested names joined by ``/``).
 
@@ -189,7 +191,8 @@ class Compressor:
             layouts[spec] = _eval_layout(self, *spec)
         return dict(layouts[spec])
 
-    def round_trip(self, x, key=None, **kwargs) -> tuple[Payload, jax.Array]:
+    def round_trip(self, x: jax.Array, key: jax.Array | None = None,
+                   **kwargs: Any) -> tuple[Payload, jax.Array]:
         """``(payload, decode(payload))`` of ``x``: the error-feedback round trip.
 
         Error feedback keeps ``x - decode(encode(x))``. Compressors whose
@@ -200,6 +203,14 @@ class Compressor:
         then decode. Either way ``x_hat`` equals ``decode(payload)`` bit for
         bit. ``kwargs`` go to ``encode`` (``valid=`` where
         ``masks_padding``).
+
+        Args:
+          x: the floating-point array to compress.
+          key: a PRNG key, needed where ``stochastic``.
+          **kwargs: passed to ``encode`` (``valid=`` where ``masks_padding``).
+
+        Returns:
+          ``(payload, x_hat)`` with ``x_hat == decode(payload)``.
 
         Example:
           >>> import jax.numpy as jnp, qcollect as qc
@@ -213,12 +224,12 @@ class Compressor:
         payload = self.encode(x, key, **kwargs)
         return payload, self.decode(payload)
 
-    def _identity(self) -> tuple:
+    def _identity(self) -> tuple[Any, ...]:
         return (type(self), self.name, self.linear, self.stochastic, self.block,
                 self.grouping, self.masks_padding,
                 tuple((k, _comparable(v)) for k, v in self.settings))
 
-    def __eq__(self, other) -> bool:
+    def __eq__(self, other: object) -> bool:
         if not isinstance(other, Compressor):
             return NotImplemented
         return self._identity() == other._identity()
@@ -232,7 +243,7 @@ class Compressor:
         return f"{factory}({args})"
 
 
-def _comparable(value):
+def _comparable(value: Any) -> Any:
     """The hashable stand-in of one setting.
 
     Scalars and strings compare by kind and value; tuples, lists and dicts
@@ -254,7 +265,7 @@ def _comparable(value):
     return (type(value), value)
 
 
-def _short_repr(value) -> str:
+def _short_repr(value: Any) -> str:
     if isinstance(value, (jax.Array, np.ndarray)) or hasattr(value, "aval"):
         return f"<array {tuple(value.shape)} {value.dtype}>"
     if isinstance(value, type) or callable(value) and hasattr(value, "__name__"):
@@ -262,12 +273,21 @@ def _short_repr(value) -> str:
     return repr(value)
 
 
-def payload_bytes(tree) -> int:
+def payload_bytes(tree: Any) -> int:
     """Bytes in the array leaves of a payload (or of any pytree of payloads).
 
     Static: it reads shapes and dtypes only, so it works on concrete arrays,
-    tracers and `jax.ShapeDtypeStruct` trees from `jax.eval_shape`. Under
-    `jax.vmap` it counts one example.
+    tracers and `jax.ShapeDtypeStruct` trees from `jax.eval_shape`, and a
+    program's size on the wire is known before it runs. Under `jax.vmap` it
+    counts one example. What a compiled collective really sends is
+    `qcollect.wire_bytes`.
+
+    Args:
+      tree: a `Payload`, or any pytree whose leaves have ``shape`` and
+        ``dtype``.
+
+    Returns:
+      The sum over the leaves of ``size * itemsize``, a Python int.
 
     Example:
       >>> import jax, jax.numpy as jnp, qcollect as qc
@@ -297,11 +317,12 @@ def check_format(payload: Payload, name: str) -> None:
 _UNCHECKED = "_qcollect_unchecked_decode"
 
 
-def _checked_decode(compressor: Compressor, decode: Callable) -> Callable:
+def _checked_decode(compressor: Compressor,
+                    decode: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
     """``decode`` behind `check_payload` for ``compressor``."""
 
     @functools.wraps(decode)
-    def checked(payload, *args, **kwargs):
+    def checked(payload: Payload, *args: Any, **kwargs: Any) -> jax.Array:
         check_payload(compressor, payload)
         return decode(payload, *args, **kwargs)
 
@@ -309,12 +330,12 @@ def _checked_decode(compressor: Compressor, decode: Callable) -> Callable:
     return checked
 
 
-def _leaf_name(path) -> str:
+def _leaf_name(path: tuple[Any, ...]) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
                     for k in path)
 
 
-def _leaves(arrays) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+def _leaves(arrays: Any) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """``{name: (shape, dtype)}`` of a payload's array leaves (arrays, tracers
     or `jax.ShapeDtypeStruct`)."""
     leaves, _ = jax.tree_util.tree_flatten_with_path(arrays)
@@ -327,11 +348,12 @@ def _leaves(arrays) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     return out
 
 
-def _eval_layout(compressor: Compressor, shape, dtype):
+def _eval_layout(compressor: Compressor, shape: tuple[int, ...],
+                 dtype: np.dtype) -> tuple[tuple[str, jax.ShapeDtypeStruct], ...]:
     """The leaves of ``compressor.encode`` for ``shape`` and ``dtype``, traced
     abstractly, as ``((name, ShapeDtypeStruct), ...)``."""
 
-    def encode(x):
+    def encode(x: jax.Array) -> Payload:
         if compressor.stochastic:
             return compressor.encode(x, jax.random.key(0))
         return compressor.encode(x)

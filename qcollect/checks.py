@@ -26,14 +26,18 @@ Example:
 from __future__ import annotations
 
 import numbers
+from collections.abc import Sequence
+from typing import Any, Literal, TypeVar, overload
 
 import jax
 import numpy as np
 
 __all__ = ["check_choice", "check_float", "check_int", "check_key"]
 
+T = TypeVar("T")
 
-def check_choice(name: str, value, allowed):
+
+def check_choice(name: str, value: object, allowed: Sequence[T]) -> T:
     """The option of ``allowed`` that ``value`` names, as that option itself.
 
     Matching keeps kinds apart (``1`` is not ``True``, ``4.0`` is not ``4``)
@@ -41,9 +45,27 @@ def check_choice(name: str, value, allowed):
     settings a compressor records compare and print alike however they were
     spelled.
 
+    Args:
+      name: the argument's name, for the error message.
+      value: what the caller passed.
+      allowed: the options, in the order the message lists them.
+
+    Returns:
+      The option of ``allowed`` equal to ``value`` and of its kind.
+
     Raises:
       ValueError: ``value`` is none of ``allowed``; the message names ``name``
         and lists the options.
+
+    Example:
+      >>> import numpy as np
+      >>> from qcollect.checks import check_choice
+      >>> check_choice("bits", np.int64(4), (2, 4, 8))
+      4
+      >>> check_choice("flag", 1, (True, False))
+      Traceback (most recent call last):
+      ...
+      ValueError: flag must be one of (True, False), got 1
     """
     for option in allowed:
         if _same_choice(value, option):
@@ -51,7 +73,7 @@ def check_choice(name: str, value, allowed):
     raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
 
 
-def _same_choice(value, option) -> bool:
+def _same_choice(value: object, option: object) -> bool:
     if isinstance(option, bool) or isinstance(value, (bool, np.bool_)):
         return (isinstance(option, bool) and isinstance(value, (bool, np.bool_))
                 and bool(value) is option)
@@ -62,62 +84,140 @@ def _same_choice(value, option) -> bool:
     return type(value) is type(option) and value == option
 
 
-def check_int(name: str, value, *, low: int = 1, high: int | None = None, allow_none=False):
+@overload
+def check_int(name: str, value: object, *, low: int = 1, high: int | None = None,
+              allow_none: Literal[False] = False) -> int: ...
+
+
+@overload
+def check_int(name: str, value: object, *, low: int = 1, high: int | None = None,
+              allow_none: bool) -> int | None: ...
+
+
+def check_int(name: str, value: object, *, low: int = 1, high: int | None = None,
+              allow_none: bool = False) -> int | None:
     """``value`` as an ``int`` in ``[low, high]`` (``high=None``: no upper bound).
 
     Any integral type passes (``int``, ``np.int64``); ``bool`` and floats do
-    not. With ``allow_none``, None passes through.
+    not, so that ``True`` or ``4.0`` never stand for a count by accident.
+
+    Args:
+      name: the argument's name, for the error message.
+      value: what the caller passed.
+      low: the smallest allowed value.
+      high: the largest allowed value, or None for no upper bound.
+      allow_none: let None pass through (an optional setting).
+
+    Returns:
+      ``int(value)``, or None when ``value`` is None and ``allow_none``.
 
     Raises:
       ValueError: ``value`` is not an integer in range; the message names
         ``name`` and the range.
+
+    Example:
+      >>> import numpy as np
+      >>> from qcollect.checks import check_int
+      >>> check_int("bits", np.int64(4), low=1, high=8), check_int("k", None, allow_none=True)
+      (4, None)
     """
     if value is None and allow_none:
         return None
-    bad = isinstance(value, bool) or not isinstance(value, numbers.Integral)
-    if bad or value < low or (high is not None and value > high):
+    number = None
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        number = int(value)
+    if number is None or number < low or (high is not None and number > high):
         upper = "inf" if high is None else str(high)
         raise ValueError(f"{name} must be an integer in [{low}, {upper}], got {value!r}")
-    return int(value)
+    return number
 
 
-def check_float(name: str, value, *, low: float = 0.0, high: float | None = None,
-                low_inclusive: bool = False, high_inclusive: bool = True, allow_none=False):
+@overload
+def check_float(name: str, value: object, *, low: float = 0.0, high: float | None = None,
+                low_inclusive: bool = False, high_inclusive: bool = True,
+                allow_none: Literal[False] = False) -> float: ...
+
+
+@overload
+def check_float(name: str, value: object, *, low: float = 0.0, high: float | None = None,
+                low_inclusive: bool = False, high_inclusive: bool = True,
+                allow_none: bool) -> float | None: ...
+
+
+def check_float(name: str, value: object, *, low: float = 0.0, high: float | None = None,
+                low_inclusive: bool = False, high_inclusive: bool = True,
+                allow_none: bool = False) -> float | None:
     """``value`` as a finite ``float`` above ``low`` and up to ``high``.
 
     The bounds are ``(low`` or ``[low`` (``low_inclusive``) and ``high]`` or
     ``high)`` (``high_inclusive=False``); ``high=None``: no upper bound. Any
     real type passes (``int``, ``float``, ``np.float32``); ``bool``, NaN and
-    infinities do not. With ``allow_none``, None passes through.
+    infinities do not, so a threshold or a fraction is always a finite number.
+
+    Args:
+      name: the argument's name, for the error message.
+      value: what the caller passed.
+      low: the lower bound, excluded unless ``low_inclusive``.
+      high: the upper bound, included unless ``high_inclusive=False``; None
+        for no upper bound.
+      low_inclusive: whether ``low`` itself is allowed.
+      high_inclusive: whether ``high`` itself is allowed.
+      allow_none: let None pass through (an optional setting).
+
+    Returns:
+      ``float(value)``, or None when ``value`` is None and ``allow_none``.
 
     Raises:
       ValueError: ``value`` is not a finite number in range; the message
         names ``name`` and the range.
+
+    Example:
+      >>> from qcollect.checks import check_float
+      >>> check_float("proportion", 64, low=1.0, low_inclusive=True)
+      64.0
     """
     if value is None and allow_none:
         return None
-    ok = (isinstance(value, numbers.Real) and not isinstance(value, bool)
-          and bool(np.isfinite(float(value))))
-    if ok:
-        ok = value >= low if low_inclusive else value > low
+    number = None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        number = float(value)
+    ok = number is not None and bool(np.isfinite(number))
+    if number is not None and ok:
+        ok = number >= low if low_inclusive else number > low
         if high is not None:
-            ok = ok and (value <= high if high_inclusive else value < high)
-    if not ok:
+            ok = ok and (number <= high if high_inclusive else number < high)
+    if number is None or not ok:
         bracket = "[" if low_inclusive else "("
         upper = "inf)" if high is None else f"{high}{']' if high_inclusive else ')'}"
         raise ValueError(
             f"{name} must be a finite number in {bracket}{low}, {upper}, got {value!r}")
-    return float(value)
+    return number
 
 
-def check_key(name: str, value):
+def check_key(name: str, value: Any) -> jax.Array:
     """``value`` if it is one PRNG key: a typed key array of shape ``()``
     (``jax.random.key(seed)``) or a legacy ``uint32`` key array
     (``jax.random.PRNGKey(seed)``, or its data as saved by ``np.savez``).
 
+    A seed or a batch of keys where one key belongs would otherwise fail
+    deep inside a traced step, with a message that does not name it.
+
+    Args:
+      name: the argument's name, for the error message.
+      value: what the caller passed.
+
+    Returns:
+      ``value`` itself.
+
     Raises:
       ValueError: anything else (None, an int seed, a float array, a batch of
         keys); the message names ``name`` and what was passed.
+
+    Example:
+      >>> import jax
+      >>> from qcollect.checks import check_key
+      >>> check_key("key", jax.random.key(0)).shape
+      ()
     """
     dtype = getattr(value, "dtype", None)
     shape = tuple(getattr(value, "shape", None) or ())

@@ -197,6 +197,59 @@ def test_inner_steps_send_nothing_and_a_sync_sends_one_fragment():
     assert peaks[1] == _bytes_of_reduce(four_bits, params, mesh)
 
 
+def _expected_schedule(t, every, fragments, delay, sync_first):
+    """Step ``t`` of the papers' schedule, spelled out: (synchronous,
+    begins_rounds, syncing fragment, landing fragment), -1 for none."""
+    syncs = lands = -1
+    done = t + 1 - sync_first  # inner steps of the rounds after step t
+    for f in range(fragments):
+        offset = (f + 1) * every // fragments  # fragment f syncs at this inner step of a round
+        if done > 0 and done % every == offset % every:
+            syncs = f
+        if delay and done > delay and (done - delay) % every == offset % every:
+            lands = f
+    return t < sync_first, sync_first > 0 and t == sync_first - 1, syncs, lands
+
+
+@pytest.mark.parametrize("every,fragments,delay,sync_first",
+                         [(1, 1, 0, 0), (4, 1, 0, 0), (4, 2, 0, 0), (4, 2, 1, 0), (6, 3, 1, 2),
+                          (5, 2, 1, 3), (7, 7, 0, 1)])
+def test_schedule_is_a_function_of_the_step_count(every, fragments, delay, sync_first):
+    """`diloco_schedule` against the schedule spelled out step by step, on
+    Python ints and on a traced count alike."""
+    settings = {"every": every, "fragments": fragments, "delay": delay,
+                "sync_first": sync_first}
+    traced = jax.jit(lambda t: transforms.diloco_schedule(t, **settings))
+    for t in range(sync_first + 3 * every + 1):
+        want = _expected_schedule(t, every, fragments, delay, sync_first)
+        for step in (transforms.diloco_schedule(t, **settings),
+                     traced(jnp.asarray(t, jnp.int32))):
+            got = (bool(step.synchronous), bool(step.begins_rounds), int(step.syncs),
+                   int(step.lands))
+            assert got == want, (t, got, want)
+
+
+def test_schedule_rounds_sync_every_fragment_once():
+    """Each round of H steps syncs every fragment exactly once, the last
+    fragment on the round's last step; with a delay each lands once."""
+    every, fragments, delay, sync_first = 6, 3, 1, 2
+    steps = [transforms.diloco_schedule(t, every=every, fragments=fragments, delay=delay,
+                                        sync_first=sync_first) for t in range(2 + 4 * every)]
+    assert [bool(s.synchronous) for s in steps[:3]] == [True, True, False]
+    assert [t for t, s in enumerate(steps) if bool(s.begins_rounds)] == [sync_first - 1]
+    for start in range(sync_first, sync_first + 4 * every, every):
+        round_ = steps[start:start + every]
+        assert sorted(int(s.syncs) for s in round_ if int(s.syncs) >= 0) == [0, 1, 2]
+        assert int(round_[-1].syncs) == fragments - 1
+    assert sorted(int(s.lands) for s in steps[sync_first + every:sync_first + 2 * every]
+                  if int(s.lands) >= 0) == [0, 1, 2]
+    for kwargs, match in (({"every": 0}, "every"), ({"every": 2, "fragments": 3}, "fragments"),
+                          ({"every": 4, "fragments": 2, "delay": 2}, "delay"),
+                          ({"every": 4, "sync_first": -1}, "sync_first")):
+        with pytest.raises(ValueError, match=match):
+            transforms.diloco_schedule(0, **kwargs)
+
+
 def test_default_fragments_are_balanced_runs():
     sizes = {"a": 40, "b": 10, "c": 10, "d": 10, "e": 10, "f": 40}
     tree = {k: jnp.zeros(v) for k, v in sizes.items()}

@@ -1,5 +1,6 @@
 """The MNIST examples: data loading, configuration, and a few training steps each."""
 
+import dataclasses
 import gzip
 import importlib.util
 import json
@@ -15,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 from common import compressors, mnist, report  # noqa: E402
-from common.config import COMPRESSOR_NAMES, TrainConfig, parse_config  # noqa: E402
+from common.config import COMPRESSOR_NAMES, TrainConfig, field_help, parse_config  # noqa: E402
 
 
 def _main(example: str):
@@ -112,6 +113,55 @@ def test_config_flags_and_errors(capsys):
         TrainConfig(batch_size=0)
     with pytest.raises(ValueError, match="optimizer"):
         TrainConfig(optimizer="lbfgs")
+
+
+def _example_configs() -> dict:
+    from lm.config import Config as LM
+    from mnist_cnn.config import Config as CNN
+    from mnist_mlp.config import Config as MLP
+
+    return {"lm": LM, "mnist_mlp": MLP, "mnist_cnn": CNN}
+
+
+@pytest.mark.parametrize("example", ["lm", "mnist_mlp", "mnist_cnn"])
+def test_every_flag_has_a_help_line(example, capsys):
+    """``--help`` says what each flag sets, beyond its default."""
+    cls = _example_configs()[example]
+    with pytest.raises(SystemExit):
+        parse_config(cls, ["--help"])
+    out = capsys.readouterr().out
+    unwrapped = "".join(out.split())  # argparse wraps lines, also after hyphens
+    for field in dataclasses.fields(cls):
+        text = field_help(cls, field.name)
+        assert len(text) > 10, field.name
+        assert f"--{field.name.replace('_', '-')}" in out
+        assert "".join(text.split()) in unwrapped, field.name
+
+
+def test_each_example_offers_only_the_flags_it_reads(capsys):
+    """The MNIST data's flags are the MNIST examples' alone, the language
+    model's corpus, schedule and DiLoCo flags the language model's."""
+    names = {key: {f.name for f in dataclasses.fields(cls)}
+             for key, cls in _example_configs().items()}
+    mnist_only = {"epochs", "train_examples", "test_examples", "data_dir"}
+    lm_only = {"heads", "context", "tie_embeddings", "warmup_steps", "weight_decay", "clip_norm",
+               "val_windows", "corpus_dir", "link_mbit", "diloco_every", "outer_compressor",
+               "fragments", "diloco_delay", "outer_lr", "outer_momentum", "diloco_sync_first"}
+    assert mnist_only <= names["mnist_mlp"] & names["mnist_cnn"] and not mnist_only & names["lm"]
+    assert lm_only <= names["lm"] and not lm_only & (names["mnist_mlp"] | names["mnist_cnn"])
+    assert names["lm"] - lm_only == names["mnist_mlp"] - mnist_only  # shared, width, depth
+    with pytest.raises(SystemExit):
+        parse_config(_example_configs()["mnist_mlp"], ["--corpus-dir", "src"])
+    assert "unrecognized arguments: --corpus-dir" in capsys.readouterr().err
+
+
+def test_run_length_is_steps_else_passes_over_the_data():
+    configs = _example_configs()
+    assert configs["mnist_mlp"](steps=7, epochs=3).run_length(1000, 128) == 7
+    assert configs["mnist_mlp"](epochs=2.5).run_length(1000, 128) == 17  # 2.5 x 7 steps
+    assert configs["lm"](steps=0).run_length(1000, 128) == 7  # one pass
+    with pytest.raises(ValueError, match="epochs"):
+        configs["mnist_cnn"](epochs=0)
 
 
 @pytest.mark.parametrize("value", ["inf", "nan", "0", "-0.1"])

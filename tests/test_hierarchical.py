@@ -261,13 +261,13 @@ def test_transform_error_feedback_over_both_axes():
 def test_ring_reduce_scatter_inside_nodes_gives_the_same_sums(monkeypatch):
     """Across processes on CPU the reduce-scatter inside a node is a ppermute ring;
     it sums exactly what psum_scatter does (here forced on one process)."""
-    from qcollect.collectives import _hierarchical
+    from qcollect import _backend
 
     n = 8
     tree = _tree(n, np.random.default_rng(11), length=29)
     tree["ints"] = jnp.asarray(np.random.default_rng(2).integers(-9, 9, (n, 37)), jnp.float32)
     want = _reduce(_mesh(2, 4), qc.identity())(tree)[0]
-    monkeypatch.setattr(_hierarchical, "_ring_inside_nodes", lambda: True)
+    monkeypatch.setattr(_backend, "ring_inside_nodes", lambda: True)
     got, rows, _, _ = _reduce(_mesh(2, 4), qc.identity())(tree)
     for name in tree:
         np.testing.assert_allclose(np.asarray(got[name]), np.asarray(want[name]),

@@ -12,6 +12,7 @@ from jax import lax
 
 import qcollect as qc
 from qcollect.collectives._layout import plan_segments
+from qcollect.collectives._segments import ColumnSegment
 from tests.helpers import per_device
 
 
@@ -101,7 +102,7 @@ def test_column_segments_hold_whole_columns_side_by_side(n):
     segments = plan_segments(leaves, "column", 1, n)
     assert _members(segments) == [(0, 1, 3), (2,)]
     seg = segments[0]
-    assert seg.columns and seg.unit == 12 and seg.spans == (3, 5, 1)
+    assert isinstance(seg, ColumnSegment) and seg.unit == 12 and seg.spans == (3, 5, 1)
     chunks = np.asarray(seg.chunks(leaves))
     assert chunks.shape == (n, 12, -(-9 // n))
     # Chunk j holds columns [j c, (j + 1) c) of the side-by-side matrix.
@@ -167,7 +168,7 @@ def _as_chunks(seg, leaves):
     """`Segment.bucketed` with column buckets cut into their ``n`` chunks:
     ``(count, n, rows, c)``, as the collective returns them."""
     parts = seg.bucketed(leaves)
-    if not seg.columns:
+    if not isinstance(seg, ColumnSegment):
         return parts
     return [p.reshape(p.shape[0], seg.unit, seg.n, -1).transpose(0, 2, 1, 3) for p in parts]
 

@@ -155,10 +155,18 @@ def test_batches_depend_on_seed_and_step_only(stdlib):
 
 
 def test_config_rejects_mnist_settings_and_bad_shapes(capsys):
+    """The MNIST data's flags are not the language model's: the command line
+    refuses them rather than ignoring them."""
+    from common.config import parse_config
+
     with pytest.raises(ValueError, match="multiple of heads"):
         Config(width=30, heads=4)
-    with pytest.raises(ValueError, match="MNIST setting"):
+    with pytest.raises(TypeError, match="train_examples"):
         Config(train_examples=100)
+    for flag in ("--epochs", "--train-examples", "--test-examples", "--data-dir"):
+        with pytest.raises(SystemExit):
+            parse_config(Config, [flag, "1"])
+        assert f"unrecognized arguments: {flag}" in capsys.readouterr().err
     assert Config().compressor_names == ("none", "qsgd-4", "onebit", "powersgd", "gradiveq")
     # the compute-only run is asked for by name, never part of "all"
     assert "local" in Config(compressors=("none", "local")).compressor_names
@@ -217,8 +225,9 @@ def test_one_bit_adam_recipe_warms_up_uncompressed_then_freezes_the_variance(tmp
         compressors.communication("gradiveq", Config(compress_after=3), "d", None)
 
 
-@pytest.mark.parametrize("name", ["common.text", "common.task", "common.wire_split",
-                                  "common.report", "common.compressors", "common.train",
+@pytest.mark.parametrize("name", ["common.config", "common.text", "common.task",
+                                  "common.wire_split", "common.report",
+                                  "common.compressors", "common.train",
                                   "common.frozen_adam", "lm.model", "lm.report",
                                   "lm.main"])
 def test_docstring_examples(name):

@@ -138,7 +138,8 @@ def test_one_process_never_splits_swaps():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int8])
 @pytest.mark.parametrize("length", [1, 7, 101])  # empty leaves go whole; 101: ragged last piece
 def test_swaps_in_pieces_move_what_one_ppermute_moves(monkeypatch, dtype, length):
-    from qcollect import _backend, _ring
+    from qcollect import _backend
+    from qcollect.collectives import _ring
 
     monkeypatch.setattr(_backend, "SWAP_PIECE_BYTES", 16)
     monkeypatch.setattr(_backend, "split_swaps", lambda perm: True)

@@ -176,12 +176,43 @@ def test_presets_reach_every_compressed_phase():
 
 
 def test_bench_entry_point(capsys, monkeypatch, tmp_path):
+    monkeypatch.delenv(bench_training.EXAMPLES_ENV, raising=False)
     with pytest.raises(SystemExit) as err:
         bench.main(["training", "--help"])
-    assert err.value.code == 0 and "--fail-on-time" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert err.value.code == 0 and "--fail-on-time" in out
+    assert out.startswith("python -m qcollect.bench training is a checkout command")
     monkeypatch.setattr(bench_training, "__file__", str(tmp_path / "qcollect" / "bench" / "t.py"))
     assert bench.main(["training"]) == 2
     assert "repository checkout" in capsys.readouterr().err
+
+
+def test_an_installed_package_finds_the_checkout_the_variable_names(capsys, monkeypatch,
+                                                                     tmp_path):
+    """Installed without ``-e`` (no examples/ beside the package), beside a checkout."""
+    monkeypatch.setattr(bench_training, "__file__", str(tmp_path / "qcollect" / "bench" / "t.py"))
+    monkeypatch.setenv(bench_training.EXAMPLES_ENV, str(ROOT / "examples"))
+    assert bench_training.examples_dir() == ROOT / "examples"
+    with pytest.raises(SystemExit) as err:
+        bench.main(["training", "--help"])
+    assert err.value.code == 0 and "--fail-on-time" in capsys.readouterr().out
+
+
+def test_without_a_checkout_the_error_names_both_ways_to_give_one(capsys, monkeypatch,
+                                                                   tmp_path):
+    monkeypatch.setattr(bench_training, "__file__", str(tmp_path / "qcollect" / "bench" / "t.py"))
+    monkeypatch.delenv(bench_training.EXAMPLES_ENV, raising=False)
+    assert bench.main(["training"]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path / "examples" / "training_gate.py") in err
+    assert 'pip install -e ".[examples]"' in err and "set QCOLLECT_EXAMPLES" in err
+    # The variable names a folder without the gate: an error, not the fallback.
+    monkeypatch.setenv(bench_training.EXAMPLES_ENV, str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="QCOLLECT_EXAMPLES=.* has no training_gate.py"):
+        bench_training.examples_dir()
+    assert bench.main(["training"]) == 2
+    err = capsys.readouterr().err
+    assert f"QCOLLECT_EXAMPLES={tmp_path}" in err and 'pip install -e ".[examples]"' in err
 
 
 # The gate on real training (the quick preset).

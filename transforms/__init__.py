@@ -5,14 +5,17 @@ Installed by the qcollect distribution (``pip install "qcollect[optax]"``).
 Every transformation takes the data axis first, positionally, and every
 setting by keyword: ``compressed_all_reduce("data", compressor=..., key=...)``.
 Parameters and optimizer moments stay replicated (``P()``); only error-feedback
-residuals are per device (`state_specs`, `init_sharded`).
+residuals are per device (`state_specs`, `init_sharded`). docs/transforms.md
+is the guide, with a training step for each transformation.
 """
 
 from transforms._accumulate import AccumulateState, accumulate
 from transforms._all_reduce import CompressedAllReduceState, compressed_all_reduce
 from transforms._averaging import ModelAveragingState, compressed_model_averaging
+from transforms._blocks import local_replica
 from transforms._checkpoint import restore_sharded
-from transforms._diloco import DiLoCoState, diloco, fragment_masks
+from transforms._diloco import DiLoCoState, diloco
+from transforms._diloco_schedule import DiLoCoStep, diloco_schedule, fragment_masks
 from transforms._fsdp import (
     FSDP,
     FSDPState,
@@ -26,15 +29,16 @@ from transforms._fsdp import (
 from transforms._gradiveq import GradiVeQState, gradiveq
 from transforms._mean import mean_all_reduce, path_name
 from transforms._phases import PhaseSpan, gradiveq_phases, powersgd_phases, steps_per_phase
+from transforms._placement import init_sharded, state_specs
 from transforms._policy import compressed_fraction, leaf_compressors
 from transforms._powersgd import PowerSGDState, powersgd
-from transforms._sharding import init_sharded, local_replica, state_specs
 
 __all__ = [
     "FSDP",
     "AccumulateState",
     "CompressedAllReduceState",
     "DiLoCoState",
+    "DiLoCoStep",
     "FSDPState",
     "GradiVeQState",
     "ModelAveragingState",
@@ -46,6 +50,7 @@ __all__ = [
     "compressed_fraction",
     "compressed_model_averaging",
     "diloco",
+    "diloco_schedule",
     "fragment_masks",
     "fsdp",
     "gradiveq",

@@ -29,10 +29,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from qcollect.checks import check_int
-from transforms._sharding import device_block, per_device, varying_axes_of
+from transforms._axes import AxisName, cond_matching_types
+from transforms._blocks import device_block
+from transforms._placement import per_device
 
 __all__ = ["AccumulateState", "accumulate"]
 
@@ -53,8 +54,8 @@ class AccumulateState(NamedTuple):
     inner: Any
 
 
-def accumulate(axis_name, *, inner: optax.GradientTransformation, every: int
-               ) -> optax.GradientTransformation:
+def accumulate(axis_name: AxisName, *, inner: optax.GradientTransformation,
+               every: int) -> optax.GradientTransformation:
     """Accumulates ``every`` micro-batch gradients per device, then runs ``inner`` once.
 
     ``update(grads, state, params)`` takes this device's gradient of one
@@ -102,25 +103,27 @@ def accumulate(axis_name, *, inner: optax.GradientTransformation, every: int
         functools.partial(_update, axis_name=axis_name, inner=inner, every=every))
 
 
-def _init(params, *, inner) -> AccumulateState:
+def _init(params: optax.Params, *, inner: optax.GradientTransformation) -> AccumulateState:
     return AccumulateState(sums=jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32),
                                              params),
                            micro_step=jnp.zeros([], jnp.int32), inner=inner.init(params))
 
 
-def _update(grads, state: AccumulateState, params=None, *, axis_name, inner, every: int):
+def _update(grads: optax.Updates, state: AccumulateState, params: optax.Params | None = None,
+            *, axis_name: AxisName, inner: optax.GradientTransformation,
+            every: int) -> tuple[optax.Updates, AccumulateState]:
     stored = state.sums
     sums = jax.tree.map(
         lambda s, g: device_block(s, g, axis_name, "the accumulated gradient").astype(
             jnp.float32)
         + g.astype(jnp.float32), stored, grads)
 
-    def emit(sums, inner_state):
+    def emit(sums: Any, inner_state: optax.OptState) -> tuple[Any, optax.OptState, Any]:
         mean = jax.tree.map(lambda s, g: (s / every).astype(g.dtype), sums, grads)
         updates, inner_state = inner.update(mean, inner_state, params)
         return updates, inner_state, jax.tree.map(jnp.zeros_like, sums)
 
-    def hold(sums, inner_state):
+    def hold(sums: Any, inner_state: optax.OptState) -> tuple[Any, optax.OptState, Any]:
         shapes = jax.eval_shape(lambda: inner.update(grads, inner_state, params)[0])
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         return zeros, inner_state, sums
@@ -133,25 +136,3 @@ def _update(grads, state: AccumulateState, params=None, *, axis_name, inner, eve
     sums = jax.tree.map(lambda s, st: jnp.reshape(s, jnp.shape(st)), sums, stored)
     micro_step = (state.micro_step + 1) % every
     return updates, AccumulateState(sums=sums, micro_step=micro_step, inner=inner_state)
-
-
-def cond_matching_types(pred, true_fun, false_fun, *operands):
-    """``lax.cond`` whose branches may differ in which mesh axes an output
-    varies along (under ``shard_map``): each output is cast to vary along
-    the axes either branch's output varies along (``lax.pcast``)."""
-    true_out = jax.make_jaxpr(true_fun)(*operands).out_avals
-    false_out = jax.make_jaxpr(false_fun)(*operands).out_avals
-    wanted = [varying_axes_of(a) | varying_axes_of(b)
-              for a, b in zip(true_out, false_out, strict=True)]
-
-    def matched(fun):
-        def run(*args):
-            leaves, treedef = jax.tree.flatten(fun(*args))
-            cast = [lax.pcast(x, tuple(sorted(want - varying_axes_of(jax.typeof(x)))), to="varying")
-                    if want - varying_axes_of(jax.typeof(x)) else x
-                    for x, want in zip(leaves, wanted, strict=True)]
-            return treedef.unflatten(cast)
-        return run
-
-    return lax.cond(pred, matched(true_fun), matched(false_fun), *operands)
-

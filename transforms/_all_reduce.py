@@ -33,8 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
@@ -43,14 +42,18 @@ from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
 from qcollect.checks import check_choice, check_int, check_key
+from transforms._axes import AxisName, check_local_gradients
+from transforms._finite import all_finite
+from transforms._placement import per_device
 from transforms._policy import (
+    BlockSpecs,
     CompressorSpec,
+    LeafPredicate,
     check_compressor,
     group_indices,
     leaf_compressors,
     sum_uncompressed,
 )
-from transforms._sharding import all_finite, check_local_gradients, per_device
 from transforms._state import kept_per_device, read_per_device, zeros_or_masked
 
 
@@ -82,21 +85,21 @@ class CompressedAllReduceState(NamedTuple):
 class _Settings:
     """The validated static settings of one `compressed_all_reduce` transformation."""
 
-    axis_name: Any
+    axis_name: AxisName
     compressor: CompressorSpec
     mean: bool
     error_feedback: bool
     algorithm: qc.Algorithm
     min_size: int
-    compress_if: Callable | None
+    compress_if: LeafPredicate | None
     fuse: bool
     bucket_bytes: int | None
     pipeline: int
-    batch_buckets: Any
+    batch_buckets: qc.BatchBuckets
     exchange: qc.Exchange
-    block_specs: Any = None
+    block_specs: BlockSpecs = None
 
-    def leaf_block_specs(self, tree) -> list | None:
+    def leaf_block_specs(self, tree: Any) -> list[P] | None:
         """Each leaf's block spec (flatten order), or None: read from the types."""
         if self.block_specs is None:
             return None
@@ -107,28 +110,28 @@ class _Settings:
     def keeps_owner_residual(self) -> bool:
         return self.error_feedback and self.algorithm == "pairwise"
 
-    def compressors(self, tree) -> list:
+    def compressors(self, tree: Any) -> list[qc.Compressor | None]:
         """Each leaf's compressor (flatten order), None for the uncompressed ones."""
         return leaf_compressors(tree, self.compressor, min_size=self.min_size,
                                 compress_if=self.compress_if)
 
 
-def compressed_all_reduce(axis_name, *, compressor: CompressorSpec, key: jax.Array,
+def compressed_all_reduce(axis_name: AxisName, *, compressor: CompressorSpec, key: jax.Array,
                           mean: bool = True, error_feedback: bool = True,
                           algorithm: qc.Algorithm = "auto", min_size: int = 0,
-                          compress_if: Callable | None = None,
-                          fuse: bool = True, bucket_bytes: int | None = qc.BUCKET_BYTES,
-                          pipeline: int = 1,
+                          compress_if: LeafPredicate | None = None, fuse: bool = True,
+                          bucket_bytes: int | None = qc.BUCKET_BYTES, pipeline: int = 1,
                           batch_buckets: qc.BatchBuckets = qc.BATCH_BUCKETS,
-                          exchange: qc.Exchange = "permute",
-                          block_specs=None) -> optax.GradientTransformation:
+                          exchange: qc.Exchange = "permute", block_specs: BlockSpecs = None
+                          ) -> optax.GradientTransformation:
     """All-reduce the gradients through ``compressor``, with error feedback.
 
     Each device adds its residual to its gradient; the compressed leaves are
     summed by `qcollect.compressed_all_reduce`, the others by ``qc.fused_psum``;
-    the residual keeps what this device's encodings lost. The update is the
-    mean (or sum) over devices, invariant along ``axis_name``. Gradients must
-    be each device's own; the module docstring has the details.
+    the residual keeps what this device's encodings lost, so what one step
+    drops is sent in later ones. The update is the mean (or sum) over
+    devices, invariant along ``axis_name``. Gradients must be each device's
+    own (docs/transforms.md, "The data-parallel step", has the details).
 
     Args:
       axis_name: the data-parallel axis (``shard_map`` or ``pmap``), or a
@@ -142,28 +145,23 @@ def compressed_all_reduce(axis_name, *, compressor: CompressorSpec, key: jax.Arr
       error_feedback: keep residuals (default True).
       algorithm: ``"auto"``, ``"ring"``, ``"pairwise"`` (also keeps the
         owner's re-encoding error) or ``"ring_requantize"``.
-      min_size: leaves with fewer values go uncompressed (Grubic: quantize
-        >= 99% of the parameters; small biases ride along in full precision).
+      min_size: leaves with fewer values go uncompressed (Grubic 3.2.2).
       compress_if: optional predicate ``(path, leaf) -> bool``; to give other
         leaves another transformation, use ``optax.partition``.
       fuse: let leaves of one compressor share collectives (per dtype).
       bucket_bytes: cap of a fused segment (default 4 MiB); None: one buffer
         per compressor and dtype.
       pipeline: pieces per device's chunk, each reduced by its own chain of
-        collectives (1, the default, is the fastest measured on CPU).
+        collectives (default 1, as measured in docs/collectives.md#pipelining).
       batch_buckets: which classes of equal buckets run as one batch
         (`qcollect.runs_batched`): ``"auto"`` (default), ``"always"``,
         ``"never"`` or an int ``K`` (batch classes of more than ``K``).
       exchange: ``"permute"`` (default) or ``"all_to_all"``: how the
-        pairwise and ring algorithms move payloads to their owners
-        (`qcollect.compressed_all_reduce`).
-      block_specs: on a mesh with model axes (the step in ``jax.shard_map(...,
-        axis_names={axis_name})``), how they shard each compressed leaf: a
-        ``PartitionSpec``, a pytree of them like the parameters, or
-        ``f(path, leaf) -> PartitionSpec``; default: read from the
-        gradients' types where the axes are explicit. Each device
-        compresses (and, for the uncompressed leaves, sums) its own block
-        (`qcollect.compressed_all_reduce`).
+        pairwise and ring algorithms move payloads to their owners.
+      block_specs: on a mesh with model axes, how they shard each leaf: a
+        ``PartitionSpec``, a pytree of them, or ``f(path, leaf) ->
+        PartitionSpec``; default: read from the gradients' types. Each device
+        reduces its own block (docs/transforms.md, "Meshes with model axes").
 
     Returns:
       An ``optax.GradientTransformation``; ``update(grads, state, params=None)``.
@@ -189,22 +187,36 @@ def compressed_all_reduce(axis_name, *, compressor: CompressorSpec, key: jax.Arr
       >>> state[0].residual["w"].shape
       (4, 4)
     """
-    algorithm = check_choice("algorithm", algorithm, ("auto",) + qc.ALGORITHMS)
+    settings = _validated(
+        axis_name, compressor=compressor, mean=mean, error_feedback=error_feedback,
+        algorithm=algorithm, min_size=min_size, compress_if=compress_if, fuse=fuse,
+        bucket_bytes=bucket_bytes, pipeline=pipeline, batch_buckets=batch_buckets,
+        exchange=exchange, block_specs=block_specs)
+    return optax.GradientTransformation(
+        functools.partial(_init, key=check_key("key", key), settings=settings),
+        functools.partial(_update, settings=settings))
+
+
+def _validated(axis_name: AxisName, *, compressor: CompressorSpec, mean: bool,
+               error_feedback: bool, algorithm: qc.Algorithm, min_size: int,
+               compress_if: LeafPredicate | None, fuse: bool, bucket_bytes: int | None,
+               pipeline: int, batch_buckets: qc.BatchBuckets, exchange: qc.Exchange,
+               block_specs: BlockSpecs) -> _Settings:
+    """The settings of `compressed_all_reduce`, checked; ValueError naming the first bad one."""
+    algorithm = check_choice("algorithm", algorithm, get_args(qc.Algorithm))
     bucket_bytes = check_int("bucket_bytes", bucket_bytes, low=0, allow_none=True)
     qc.runs_batched(1, 0, batch_buckets)  # ValueError naming batch_buckets
-    exchange = check_choice("exchange", exchange, qc.EXCHANGES)
-    settings = _Settings(
+    exchange = check_choice("exchange", exchange, get_args(qc.Exchange))
+    return _Settings(
         axis_name=axis_name, compressor=check_compressor("compressor", compressor),
         mean=mean, error_feedback=error_feedback, algorithm=algorithm,
         min_size=check_int("min_size", min_size, low=0), compress_if=compress_if, fuse=fuse,
         bucket_bytes=bucket_bytes, pipeline=check_int("pipeline", pipeline),
         batch_buckets=batch_buckets, exchange=exchange, block_specs=block_specs)
-    key = check_key("key", key)
-    return optax.GradientTransformation(functools.partial(_init, key=key, settings=settings),
-                                        functools.partial(_update, settings=settings))
 
 
-def _init(params, *, key, settings: _Settings) -> CompressedAllReduceState:
+def _init(params: optax.Params, *, key: jax.Array,
+          settings: _Settings) -> CompressedAllReduceState:
     leaves, treedef = jax.tree.flatten(params)
     compressed = [c is not None for c in settings.compressors(params)]
     return CompressedAllReduceState(
@@ -217,7 +229,9 @@ def _init(params, *, key, settings: _Settings) -> CompressedAllReduceState:
         count=jnp.zeros([], jnp.int32))
 
 
-def _update(grads, state: CompressedAllReduceState, params=None, *, settings: _Settings):
+def _update(grads: optax.Updates, state: CompressedAllReduceState,
+            params: optax.Params | None = None, *,
+            settings: _Settings) -> tuple[optax.Updates, CompressedAllReduceState]:
     """One step: the reduced update (mean or sum over devices) and the next state."""
     del params
     check_local_gradients(grads, settings.axis_name)
@@ -256,8 +270,10 @@ def _update(grads, state: CompressedAllReduceState, params=None, *, settings: _S
     )
 
 
-def _reduce_compressed(inputs, comps, owners, step_key, settings: _Settings,
-                       blocks: list | None) -> dict:
+def _reduce_compressed(inputs: list[jax.Array], comps: list[qc.Compressor | None],
+                       owners: list[jax.Array | None], step_key: jax.Array,
+                       settings: _Settings, blocks: list[P] | None
+                       ) -> dict[int, tuple[jax.Array, jax.Array | None, jax.Array | None]]:
     """The compressed leaves summed, one `qcollect.compressed_all_reduce` per
     group of equal compressors (group ``g`` draws ``fold_in(step_key, g)``).
 

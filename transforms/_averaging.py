@@ -43,13 +43,11 @@ compressor therefore encodes *unplanned*: each chunk's payload carries the
 worst-case capacity, ``2**ceiling`` 4-bit code lengths and ``ceil(n_chunk *
 ceiling / 32)`` stream words, which can never overflow. A payload thus costs
 about ``ceiling`` bits per value (plus the code table per chunk) whatever
-the Huffman code needs (``c.plan``). Measured on 8 devices, 2**20 float32
-weights per device: 10.06 bits per value unplanned against 8.04 (Gaussian
-weights) or 6.35 (Laplace) planned; `qcollect.wire_bytes` of the averaging
-step 17.6 bits per parameter per device, against 56 for a float32
-``pmean``. To send less, pass a planned compressor (``compressor=lambda
-path, leaf: c.with_plan(plans[path])``, one plan per leaf sized for a chunk
-of ``ceil(leaf.size / N)`` values, with margin): a plan too small for some
+the Huffman code needs (``c.plan``; docs/transforms.md, "Compressed model
+averaging", has the measured bits per value and per parameter). To send
+less, pass a planned compressor (``compressor=lambda path, leaf:
+c.with_plan(plans[path])``, one plan per leaf sized for a chunk of
+``ceil(leaf.size / N)`` values, with margin): a plan too small for some
 chunk sets that payload's range to NaN, and the average then turns
 non-finite (below), never silently wrong.
 
@@ -76,7 +74,8 @@ disagree on running the collectives).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -85,6 +84,8 @@ from jax import lax
 
 import qcollect as qc
 from qcollect.checks import check_int, check_key
+from transforms._axes import AxisName, check_axis, to_varying
+from transforms._blocks import leaves_like
 from transforms._policy import (
     CompressorSpec,
     check_compressor,
@@ -92,7 +93,6 @@ from transforms._policy import (
     leaf_compressors,
     sum_uncompressed,
 )
-from transforms._sharding import check_axis, leaves_like, to_varying
 
 __all__ = ["ModelAveragingState", "compressed_model_averaging"]
 
@@ -110,7 +110,7 @@ class ModelAveragingState(NamedTuple):
     key: jax.Array
 
 
-def compressed_model_averaging(axis_name, *, every_k: int, key: jax.Array,
+def compressed_model_averaging(axis_name: AxisName, *, every_k: int, key: jax.Array,
                                compressor: CompressorSpec | None = None,
                                min_size: int = 0) -> optax.GradientTransformation:
     """Local SGD with a compressed average of the weights every ``every_k`` steps.
@@ -118,8 +118,8 @@ def compressed_model_averaging(axis_name, *, every_k: int, key: jax.Array,
     Every replica trains on its own data; on every ``every_k``-th step the
     would-be new weights ``params + updates`` are averaged over ``axis_name``
     through ``compressor`` (pairwise exchange, each layer on its own) and the
-    update becomes ``average - params``. The module docstring has the
-    details. Use it last in a chain (it needs ``params``)::
+    update becomes ``average - params``. docs/transforms.md ("Compressed
+    model averaging") has the details. Use it last in a chain (it needs ``params``)::
 
         optax.chain(optax.sgd(lr), compressed_model_averaging("data", every_k=8, key=k))
 
@@ -137,7 +137,7 @@ def compressed_model_averaging(axis_name, *, every_k: int, key: jax.Array,
         (``qc.fused_psum``); an integer >= 0. The default, 0, compresses
         every leaf, as in every transform; with the entropy compressor
         ``min_size=4096`` sends fewer bytes (each chunk carries a code
-        table: see the module docstring).
+        table: docs/transforms.md, "Compressed model averaging").
 
     Returns:
       An ``optax.GradientTransformation``; ``update(updates, state, params)``.
@@ -167,33 +167,49 @@ def compressed_model_averaging(axis_name, *, every_k: int, key: jax.Array,
     key = check_key("key", key)
     min_size = check_int("min_size", min_size, low=0)
     compressor = check_compressor("compressor", compressor, allow_none=True)
-    if compressor is None:
-        compressor = qc.entropy()
-
-    def init(params):
-        del params
-        return ModelAveragingState(jnp.zeros([], jnp.int32), key)
-
-    def update(updates, state, params=None):
-        if params is None:
-            raise ValueError("compressed_model_averaging needs params: call "
-                             "update(updates, state, params)")
-        check_axis(axis_name)
-        leaves, treedef = jax.tree.flatten(updates)
-        weights = _weights_of(updates, params)
-        comps = leaf_compressors(params, compressor, min_size=min_size)
-        step_key = jax.random.fold_in(state.key, state.count)
-        next_count = optax.safe_int32_increment(state.count)
-        out = lax.cond(next_count % every_k == 0,  # equal on every device
-                       lambda ups, ws: _average(ups, ws, comps, step_key, axis_name),
-                       lambda ups, ws: to_varying(list(ups), axis_name),
-                       leaves, weights)
-        return treedef.unflatten(out), ModelAveragingState(count=next_count, key=state.key)
-
-    return optax.GradientTransformation(init, update)
+    settings = _Settings(axis_name=axis_name, every_k=every_k, min_size=min_size,
+                         compressor=qc.entropy() if compressor is None else compressor)
+    return optax.GradientTransformation(functools.partial(_init, key=key),
+                                        functools.partial(_update, settings=settings))
 
 
-def _weights_of(updates, params) -> list:
+class _Settings(NamedTuple):
+    """The validated static settings of one `compressed_model_averaging`."""
+
+    axis_name: AxisName
+    every_k: int
+    min_size: int
+    compressor: CompressorSpec
+
+
+def _init(params: optax.Params, *, key: jax.Array) -> ModelAveragingState:
+    del params
+    return ModelAveragingState(jnp.zeros([], jnp.int32), key)
+
+
+def _update(updates: optax.Updates, state: ModelAveragingState,
+            params: optax.Params | None = None, *,
+            settings: _Settings) -> tuple[optax.Updates, ModelAveragingState]:
+    """Local steps pass ``updates`` through; every ``every_k``-th step
+    returns ``average - params`` instead (`_average`)."""
+    if params is None:
+        raise ValueError("compressed_model_averaging needs params: call "
+                         "update(updates, state, params)")
+    axis_name = settings.axis_name
+    check_axis(axis_name)
+    leaves, treedef = jax.tree.flatten(updates)
+    weights = _weights_of(updates, params)
+    comps = leaf_compressors(params, settings.compressor, min_size=settings.min_size)
+    step_key = jax.random.fold_in(state.key, state.count)
+    next_count = optax.safe_int32_increment(state.count)
+    out = lax.cond(next_count % settings.every_k == 0,  # equal on every device
+                   lambda ups, ws: _average(ups, ws, comps, step_key, axis_name),
+                   lambda ups, ws: to_varying(list(ups), axis_name),
+                   leaves, weights)
+    return treedef.unflatten(out), ModelAveragingState(count=next_count, key=state.key)
+
+
+def _weights_of(updates: optax.Updates, params: optax.Params) -> list[Any]:
     """The leaves of ``params`` at the leaves of ``updates``, each of its update's shape."""
     weights = leaves_like(updates, params, "compressed_model_averaging",
                           against="the tree of params", where="the params",
@@ -207,7 +223,9 @@ def _weights_of(updates, params) -> list:
     return weights
 
 
-def _average(updates, weights, comps, step_key, axis_name) -> list:
+def _average(updates: list[jax.Array], weights: list[jax.Array],
+             comps: list[qc.Compressor | None], step_key: jax.Array,
+             axis_name: AxisName) -> list[jax.Array]:
     """``mean(w) - params`` per leaf, ``w = params + updates`` averaged over
     ``axis_name``: through each group of equal compressors (group ``g`` draws
     ``fold_in(step_key, g)``), exactly for the leaves without one."""

@@ -10,12 +10,18 @@ shape mismatch).
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import jax
+
+from transforms._axes import AxisName
 
 __all__ = ["restore_sharded"]
 
 
-def restore_sharded(checkpointer, path, target, axis_name):
+def restore_sharded(checkpointer: Any, path: str | os.PathLike[str], target: Any,
+                    axis_name: AxisName) -> Any:
     """Restores ``path`` into the shapes and shardings of ``target``.
 
     Args:
@@ -63,11 +69,11 @@ def restore_sharded(checkpointer, path, target, axis_name):
     return checkpointer.restore(path, abstract)
 
 
-def _spec_axis(spec) -> object:
+def _spec_axis(spec: Any) -> object:
     return spec[0] if spec is not None and len(spec) else None
 
 
-def _devices_along(target, axis_name):
+def _devices_along(target: Any, axis_name: AxisName) -> int | None:
     """The leading size of the first leaf of ``target`` sharded along ``axis_name``."""
     for leaf in jax.tree.leaves(target):
         spec = getattr(getattr(leaf, "sharding", None), "spec", None)
@@ -76,7 +82,8 @@ def _devices_along(target, axis_name):
     return None
 
 
-def _saved_devices_along(checkpointer, path, axis_name):
+def _saved_devices_along(checkpointer: Any, path: str | os.PathLike[str],
+                         axis_name: AxisName) -> int | None:
     """The same, read from the checkpoint's metadata (None if it cannot tell)."""
     try:
         meta = checkpointer.metadata(path)

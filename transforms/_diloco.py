@@ -49,6 +49,12 @@ averaged exactly (`qcollect.fused_psum`, a full all-reduce each step) before
 the inner optimizer, so the replicas and their inner states stay equal; at
 step K the anchor becomes their (exact) mean and the rounds begin.
 
+The schedule is a function of the step count alone (`diloco_schedule`):
+which step is an inner step, a warm-start step, a sync and of which
+fragment, and where a delayed fragment lands. Every device reads the same
+count, so all take the same branch of one ``lax.switch`` and run the same
+collectives; the state holds the count and nothing else about the schedule.
+
 Non-finite inner steps: a worker whose inner update is non-finite skips
 that step (its parameters and inner state stay), with no collective, so one
 worker's bad batch never reaches the outer gradient.
@@ -62,28 +68,30 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 
 import qcollect as qc
-from qcollect.checks import check_float, check_int
-from transforms._mean import mean_all_reduce
-from transforms._sharding import (
-    all_finite,
-    check_axis,
-    device_block,
-    keep_if_finite,
-    per_device,
-    to_varying,
+from qcollect.checks import check_float
+from transforms._axes import AxisName, check_axis, to_varying
+from transforms._blocks import device_block
+from transforms._diloco_schedule import (
+    DiLoCoStep,
+    FragmentOf,
+    Schedule,
+    checked_schedule,
+    fragment_masks,
 )
+from transforms._finite import all_finite, keep_if_finite
+from transforms._mean import mean_all_reduce
+from transforms._placement import per_device
 
-__all__ = ["DiLoCoState", "diloco", "fragment_masks"]
+__all__ = ["DiLoCoState", "diloco"]
 
 
 @per_device("inner")
 class DiLoCoState(NamedTuple):
-    """State of `diloco` (the module docstring says which part is per device).
+    """State of `diloco`: per device ``inner`` and the residuals in ``reduce``, the rest shared.
 
     Attributes:
       inner: per device (``P(axis_name)``): the inner optimizer's state.
@@ -97,98 +105,46 @@ class DiLoCoState(NamedTuple):
       pending: with ``delay > 0``: the new global values of the fragment
         awaiting application (float32, like the parameters); else
         ``optax.MaskedNode()`` leaves.
-      count: int32 inner steps taken (the same on every device).
+      count: int32 inner steps taken (the same on every device); the
+        schedule is `diloco_schedule` of it.
     """
 
     inner: Any
     anchor: Any
-    outer: tuple
-    reduce: tuple
+    outer: tuple[Any, ...]
+    reduce: tuple[Any, ...]
     pending: Any
     count: jax.Array
 
 
-def fragment_masks(params, fragments: int, fragment_of: Callable | None = None) -> list:
-    """Which leaves (flatten order) each fragment holds: ``fragments`` lists of bools.
-
-    By default the leaves are cut in flatten order into ``fragments``
-    non-empty runs whose largest holds as few values as possible
-    (consecutive layers share a fragment; the peak bytes of a sync are
-    those of the largest run); ``fragment_of(path, leaf) -> int`` chooses
-    instead.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> fragment_masks({"a": jnp.zeros(10), "b": jnp.zeros(10), "c": jnp.zeros(20)}, 2)
-      [[True, True, False], [False, False, True]]
-    """
-    fragments = check_int("fragments", fragments)
-    leaves = jax.tree.leaves_with_path(params)
-    if fragment_of is not None:
-        chosen = [fragment_of(path, leaf) for path, leaf in leaves]
-        bad = [f for f in chosen if not isinstance(f, (int, np.integer)) or
-               not 0 <= f < fragments]
-        if bad:
-            raise ValueError(f"fragment_of must return ints in [0, {fragments}), got {bad[0]!r}")
-    else:
-        if len(leaves) < fragments:
-            raise ValueError(f"fragments: {fragments} fragments of {len(leaves)} leaves; pass "
-                             "fragment_of or fewer fragments")
-        runs = _balanced_runs([int(np.size(leaf)) for _, leaf in leaves], fragments)
-        chosen = [f for f, run in enumerate(runs) for _ in run]
-    return [[c == f for c in chosen] for f in range(fragments)]
-
-
-def _balanced_runs(sizes: list[int], parts: int) -> list[list[int]]:
-    """``sizes`` cut into ``parts`` non-empty contiguous runs, the largest run
-    as small as it can be (binary search on the cap, greedy runs)."""
-    def greedy(cap: int) -> list[list[int]]:
-        runs: list[list[int]] = [[]]
-        total = 0
-        for i, size in enumerate(sizes):
-            if runs[-1] and total + size > cap:
-                runs.append([])
-                total = 0
-            runs[-1].append(i)
-            total += size
-        return runs
-
-    low, high = max(sizes), sum(sizes)
-    while low < high:
-        middle = (low + high) // 2
-        low, high = (low, middle) if len(greedy(middle)) <= parts else (middle + 1, high)
-    runs = greedy(low)
-    while len(runs) < parts:  # splitting a run never makes the largest larger
-        at = next(i for i, run in enumerate(runs) if len(run) > 1)
-        runs[at:at + 1] = [runs[at][:-1], runs[at][-1:]]
-    return runs
-
-
-def _part(tree, keep: list[bool]):
+def _part(tree: Any, keep: list[bool]) -> Any:
     """``tree`` with the leaves not kept replaced by None (paths kept)."""
     leaves, treedef = jax.tree.flatten(tree)
     return treedef.unflatten([leaf if k else None for leaf, k in zip(leaves, keep, strict=True)])
 
 
-def _merge(base, part_tree, keep: list[bool]):
+def _merge(base: Any, part_tree: Any, keep: list[bool]) -> Any:
     """``base`` with the kept leaves taken from ``part_tree`` (a `_part`)."""
     leaves, treedef = jax.tree.flatten(base)
     parts = treedef.flatten_up_to(part_tree)
     return treedef.unflatten([p if k else b for b, p, k in zip(leaves, parts, keep, strict=True)])
 
 
-def diloco(axis_name, *, inner: optax.GradientTransformation, every: int,
+def diloco(axis_name: AxisName, *, inner: optax.GradientTransformation, every: int,
            outer: optax.GradientTransformation | None = None,
            reduce: optax.GradientTransformation | None = None, fragments: int = 1,
-           fragment_of: Callable | None = None, delay: int = 0,
+           fragment_of: FragmentOf | None = None, delay: int = 0,
            mix: float = 0.5, sync_first: int = 0) -> optax.GradientTransformation:
     """DiLoCo: ``every`` inner steps per worker, then a compressed outer step.
 
-    ``update(grads, state, params)`` takes this worker's gradients at its
-    parameters and returns the update that ``optax.apply_updates`` adds to
-    them: the inner optimizer's, or on a synchronising step the move to the
-    new global parameters of the fragment that synchronises (module
-    docstring). Use it alone (it contains the inner optimizer).
+    Workers communicate once per round instead of once per step, so a slow
+    link carries H times fewer bytes; the outer optimizer on the averaged
+    outer gradient keeps the workers on one model. ``update(grads, state,
+    params)`` takes this worker's gradients at its parameters and returns
+    the update that ``optax.apply_updates`` adds to them: the inner
+    optimizer's, or on a synchronising step the move to the new global
+    parameters of the fragment that synchronises (`diloco_schedule` says
+    which step is which). Use it alone (it contains the inner optimizer).
 
     Args:
       axis_name: the data axis (``shard_map`` or ``pmap``): one worker per device.
@@ -200,7 +156,7 @@ def diloco(axis_name, *, inner: optax.GradientTransformation, every: int,
         update is the mean over ``axis_name``: `compressed_all_reduce`
         with any compressor and error feedback (one state per fragment),
         `powersgd`, ...; default (None) the exact float32 mean
-        (`qcollect.fused_psum`).
+        (`mean_all_reduce`).
       fragments: F, the fragments synchronised in turn (Streaming DiLoCo);
         at most ``every``.
       fragment_of: ``f(path, leaf) -> int`` in ``[0, fragments)`` (default:
@@ -210,10 +166,11 @@ def diloco(axis_name, *, inner: optax.GradientTransformation, every: int,
       mix: with ``delay``, the weight of the worker's own parameters when
         the delayed fragment is applied, in [0, 1].
       sync_first: K, synchronous data-parallel steps (exact gradient mean,
-        a full all-reduce each) before the first round (module docstring).
+        a full all-reduce each) before the first round; then the anchor is
+        the replicas' exact mean.
 
     Returns:
-      An ``optax.GradientTransformation``.
+      An ``optax.GradientTransformation`` (state `DiLoCoState`).
 
     Raises:
       ValueError: a setting out of its range (naming it); ``update``
@@ -234,69 +191,61 @@ def diloco(axis_name, *, inner: optax.GradientTransformation, every: int,
       >>> int(state.count), state.anchor["w"].dtype
       (0, dtype('float32'))
     """
-    every = check_int("every", every)
-    fragments = check_int("fragments", fragments)
-    if fragments > every:
-        raise ValueError(f"fragments must be at most every ({every}), got {fragments}")
-    delay = check_int("delay", delay, low=0)
-    if delay and delay >= every // fragments:
-        raise ValueError(f"delay must be below every // fragments ({every // fragments}), "
-                         f"got {delay}")
+    schedule = checked_schedule(every, fragments, delay, sync_first)
     mix = check_float("mix", mix, low=0.0, high=1.0, low_inclusive=True)
-    sync_first = check_int("sync_first", sync_first, low=0)
     outer = optax.sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer
     reduce = mean_all_reduce(axis_name) if reduce is None else reduce
     for name, tx in (("inner", inner), ("outer", outer), ("reduce", reduce)):
         if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
             raise ValueError(f"{name} must be an optax GradientTransformation, got {tx!r}")
-    settings = _Settings(axis_name, inner, outer, reduce, every, fragments, fragment_of, delay,
-                         mix, sync_first)
+    settings = _Settings(axis_name, inner, outer, reduce, schedule, fragment_of, mix)
     return optax.GradientTransformation(functools.partial(_init, s=settings),
                                         functools.partial(_update, s=settings))
 
 
 class _Settings(NamedTuple):
-    axis_name: Any
+    """The validated static settings of one `diloco` transformation."""
+
+    axis_name: AxisName
     inner: optax.GradientTransformation
     outer: optax.GradientTransformation
-    reduce: Any
-    every: int
-    fragments: int
-    fragment_of: Callable | None
-    delay: int
+    reduce: optax.GradientTransformation
+    schedule: Schedule
+    fragment_of: FragmentOf | None
     mix: float
-    sync_first: int
 
-    def masks(self, params) -> list:
-        return fragment_masks(params, self.fragments, self.fragment_of)
-
-    def offset(self, f: int) -> int:
-        """Fragment ``f`` synchronises when ``count + 1 = offset (mod every)``."""
-        return ((f + 1) * self.every // self.fragments) % self.every
+    def masks(self, params: Any) -> list[list[bool]]:
+        return fragment_masks(params, self.schedule.fragments, self.fragment_of)
 
 
-def _init(params, *, s: _Settings) -> DiLoCoState:
+def _init(params: optax.Params, *, s: _Settings) -> DiLoCoState:
     anchor = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
     masks = s.masks(params)
     parts = [_part(anchor, m) for m in masks]
-    pending = (anchor if s.delay else jax.tree.map(lambda _: optax.MaskedNode(), params))
+    pending = (anchor if s.schedule.delay
+               else jax.tree.map(lambda _: optax.MaskedNode(), params))
     return DiLoCoState(inner=s.inner.init(params), anchor=anchor,
                        outer=tuple(s.outer.init(p) for p in parts),
                        reduce=tuple(s.reduce.init(p) for p in parts), pending=pending,
                        count=jnp.zeros([], jnp.int32))
 
 
-def _update(grads, state: DiLoCoState, params=None, *, s: _Settings):
+def _update(grads: optax.Updates, state: DiLoCoState, params: optax.Params | None = None, *,
+            s: _Settings) -> tuple[optax.Updates, DiLoCoState]:
+    """One step: this worker's inner step, then the branch `diloco_schedule`
+    picks (nothing more, a fragment's sync, a delayed fragment landing, or
+    the start of the rounds)."""
     if params is None:
         raise ValueError("diloco needs params: call update(grads, state, params)")
     check_axis(s.axis_name)
+    step = s.schedule.at(state.count)
     like = jax.eval_shape(s.inner.init, params)
     stored_inner = state.inner
     inner_state = jax.tree.map(
         lambda a, b: device_block(a, b, s.axis_name, "the inner optimizer state"),
         stored_inner, like)
-    if s.sync_first:
-        grads = lax.cond(state.count < s.sync_first,
+    if s.schedule.sync_first:
+        grads = lax.cond(step.synchronous,
                          functools.partial(_mean_gradients, axis_name=s.axis_name),
                          functools.partial(to_varying, axis_name=s.axis_name), grads)
     updates, new_inner = s.inner.update(grads, inner_state, params)
@@ -305,45 +254,62 @@ def _update(grads, state: DiLoCoState, params=None, *, s: _Settings):
     new_inner = keep_if_finite(ok, new_inner, inner_state)
     local = jax.tree.map(lambda p, u: p.astype(jnp.float32) + u.astype(jnp.float32),
                          params, updates)
-
-    masks = s.masks(params)
-    done = state.count + 1 - s.sync_first  # inner steps of the rounds after this one
-    phase = done % s.every
-    branches = [lambda st: (to_varying(updates, s.axis_name), st)]
-    index = jnp.zeros([], jnp.int32)
-    for f, mask in enumerate(masks):
-        branches.append(functools.partial(_sync, f=f, mask=mask, local=local, params=params,
-                                          updates=updates, s=s))
-        index = jnp.where((phase == s.offset(f)) & (done > 0), len(branches) - 1, index)
-    if s.delay:
-        for f, mask in enumerate(masks):
-            branches.append(functools.partial(_apply_pending, mask=mask, local=local,
-                                              params=params, updates=updates, s=s))
-            lands = (phase == (s.offset(f) + s.delay) % s.every) & (done > s.delay)
-            index = jnp.where(lands, len(branches) - 1, index)
-    if s.sync_first:
-        branches.append(functools.partial(_begin_rounds, local=local, updates=updates, s=s))
-        index = jnp.where(done == 0, len(branches) - 1, index)
+    branches = _branches(s.masks(params), local=local, params=params, updates=updates, s=s)
     shared = state._replace(inner=None, count=None)
-    out, shared = lax.switch(index, branches, shared)
+    out, shared = lax.switch(_branch_index(step, s.schedule), branches, shared)
     new_inner = jax.tree.map(lambda n, st: jnp.reshape(n, jnp.shape(st)), new_inner,
                              stored_inner)
     return out, shared._replace(inner=new_inner, count=optax.safe_int32_increment(state.count))
 
 
-def _mean_gradients(grads, axis_name):
+_Branch = Callable[[DiLoCoState], tuple[Any, DiLoCoState]]
+
+
+def _branches(masks: list[list[bool]], *, local: Any, params: Any, updates: Any,
+              s: _Settings) -> list[_Branch]:
+    """The step's branches, in the order `_branch_index` numbers them: the
+    inner step alone, each fragment's sync, with ``delay`` each fragment's
+    landing, with ``sync_first`` the start of the rounds."""
+    branches: list[_Branch] = [lambda st: (to_varying(updates, s.axis_name), st)]
+    for f, mask in enumerate(masks):
+        branches.append(functools.partial(_sync, f=f, mask=mask, local=local, params=params,
+                                          updates=updates, s=s))
+    if s.schedule.delay:
+        for mask in masks:
+            branches.append(functools.partial(_apply_pending, mask=mask, local=local,
+                                              params=params, updates=updates, s=s))
+    if s.schedule.sync_first:
+        branches.append(functools.partial(_begin_rounds, local=local, updates=updates, s=s))
+    return branches
+
+
+def _branch_index(step: DiLoCoStep, schedule: Schedule) -> jax.Array:
+    """The index into `_branches` of what ``step`` does."""
+    index = jnp.where(step.syncs >= 0, 1 + step.syncs, 0)
+    after = 1 + schedule.fragments
+    if schedule.delay:
+        index = jnp.where(step.lands >= 0, after + step.lands, index)
+        after += schedule.fragments
+    if schedule.sync_first:
+        index = jnp.where(step.begins_rounds, after, index)
+    return index
+
+
+def _mean_gradients(grads: optax.Updates, axis_name: AxisName) -> optax.Updates:
     """The exact mean over the workers, per device (a warm-start step)."""
     mean = qc.fused_psum(grads, axis_name, mean=True)
     return to_varying(jax.tree.map(lambda m, g: m.astype(g.dtype), mean, grads), axis_name)
 
 
-def _begin_rounds(st: DiLoCoState, *, local, updates, s: _Settings):
+def _begin_rounds(st: DiLoCoState, *, local: Any, updates: Any,
+                  s: _Settings) -> tuple[Any, DiLoCoState]:
     """The last warm-start step: the anchor becomes the replicas' exact mean."""
     anchor = qc.fused_psum(local, s.axis_name, mean=True)
     return to_varying(updates, s.axis_name), st._replace(anchor=anchor)
 
 
-def _moved_to(values, mask, local, params, updates, axis_name):
+def _moved_to(values: Any, mask: list[bool], local: Any, params: Any, updates: Any,
+              axis_name: AxisName) -> Any:
     """The update that takes the fragment's leaves to ``values`` and the
     others to ``local`` (their inner step), both float32."""
     moved = _merge(local, values, mask)
@@ -352,7 +318,8 @@ def _moved_to(values, mask, local, params, updates, axis_name):
     return to_varying(out, axis_name)
 
 
-def _sync(st: DiLoCoState, *, f: int, mask, local, params, updates, s: _Settings):
+def _sync(st: DiLoCoState, *, f: int, mask: list[bool], local: Any, params: Any, updates: Any,
+          s: _Settings) -> tuple[Any, DiLoCoState]:
     """Fragment ``f``'s outer step: average ``anchor - local`` over the
     workers, step the anchor with the outer optimizer, and move the worker
     there (now, or ``delay`` steps later through ``pending``)."""
@@ -367,14 +334,15 @@ def _sync(st: DiLoCoState, *, f: int, mask, local, params, updates, s: _Settings
     outer_f = keep_if_finite(finite, outer_f, st.outer[f])
     reduce = st.reduce[:f] + (reduce_f,) + st.reduce[f + 1:]
     outer = st.outer[:f] + (outer_f,) + st.outer[f + 1:]
-    if s.delay:
+    if s.schedule.delay:
         st = st._replace(pending=_merge(st.pending, new_f, mask), reduce=reduce, outer=outer)
         return to_varying(updates, s.axis_name), st
     st = st._replace(anchor=_merge(st.anchor, new_f, mask), reduce=reduce, outer=outer)
     return _moved_to(new_f, mask, local, params, updates, s.axis_name), st
 
 
-def _apply_pending(st: DiLoCoState, *, mask, local, params, updates, s: _Settings):
+def _apply_pending(st: DiLoCoState, *, mask: list[bool], local: Any, params: Any, updates: Any,
+                   s: _Settings) -> tuple[Any, DiLoCoState]:
     """A delayed fragment lands: ``mix * local + (1 - mix) * global``, and the
     global values become the fragment's anchor."""
     pending = _part(st.pending, mask)

@@ -28,28 +28,23 @@ shards (its moments sharded like them), and `transforms.init_sharded` /
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
 from qcollect.checks import check_choice, check_key
-from transforms._sharding import (
-    _put,
-    _varies_along,
-    check_axis,
-    init_like_params,
-    keep_if_finite,
-    mesh_axes,
-    per_device,
-)
+from transforms._axes import AxisName, check_axis, mesh_axes, varies_along
+from transforms._finite import keep_if_finite
+from transforms._placement import init_like_params, per_device, put
 
 __all__ = ["FSDP", "FSDPState", "clip_by_global_norm", "fsdp", "init_on_shards",
            "shard_params", "shard_specs", "sharded_specs"]
@@ -92,10 +87,16 @@ class FSDP(NamedTuple):
     dimension: Any
 
 
-def fsdp(axis_name, *, dimension, key: jax.Array, weights: qc.Compressor | None = None,
-         gradients: qc.Compressor | None = None, error_feedback: bool = True,
-         mean: bool = True, exchange: str = "permute") -> FSDP:
+def fsdp(axis_name: AxisName, *, dimension: Any, key: jax.Array,
+         weights: qc.Compressor | None = None, gradients: qc.Compressor | None = None,
+         error_feedback: bool = True, mean: bool = True,
+         exchange: qc.Exchange = "permute") -> FSDP:
     """Sharded data parallelism with compressed collectives and error feedback.
+
+    Each device keeps 1/N of every large leaf. A step gathers the weights
+    through ``weights`` and reduce-scatters the gradients through
+    ``gradients``, so neither direction sends float32 where a compressor
+    suffices; the gradients' error feedback is explicit state (`FSDPState`).
 
     Args:
       axis_name: the data axis (or ``(outer, inner)``: the gradients are
@@ -116,10 +117,12 @@ def fsdp(axis_name, *, dimension, key: jax.Array, weights: qc.Compressor | None 
       exchange: ``"permute"`` or ``"all_to_all"`` (`qcollect.compressed_reduce_scatter`).
 
     Returns:
-      An `FSDP`.
+      An `FSDP`. A step whose gradients are non-finite on any device
+      (checked with a 4-byte ``psum`` of a flag) keeps every residual as it was.
 
-    A step whose gradients are non-finite on any device (checked with a
-    4-byte ``psum`` of a flag) keeps every residual as it was.
+    Raises:
+      ValueError: ``exchange``, ``weights``, ``gradients`` or ``key`` is not
+        one of the allowed values (naming it).
 
     Example:
       >>> import jax, jax.numpy as jnp, qcollect as qc, transforms
@@ -131,56 +134,78 @@ def fsdp(axis_name, *, dimension, key: jax.Array, weights: qc.Compressor | None 
       (64, 512)
 
     References:
-      Wang et al. (ZeRO++), 2023 <https://arxiv.org/abs/2306.10209>;
-      Markov et al. (QSDP), ICML 2023 <https://arxiv.org/abs/2302.02390>;
-      Xie et al. (LoCo), 2024 <https://arxiv.org/abs/2407.04480>.
+      Wang et al. (ZeRO++), 2023 <https://arxiv.org/abs/2306.10209>,
+      section 3 (qwZ, qgZ); Markov et al. (QSDP), ICML 2023
+      <https://arxiv.org/abs/2302.02390>; Xie et al. (LoCo), 2024
+      <https://arxiv.org/abs/2407.04480> (error feedback of sharded gradients).
     """
-    check_choice("exchange", exchange, qc.EXCHANGES)
+    exchange = check_choice("exchange", exchange, get_args(qc.Exchange))
     for name, c in (("weights", weights), ("gradients", gradients)):
         if c is not None and not isinstance(c, qc.Compressor):
             raise ValueError(f"{name} must be a qcollect Compressor or None, got {c!r}")
-    key = check_key("key", key)
-
-    def init(params) -> FSDPState:
-        residual = (qc.fsdp_residuals(params, dimension) if error_feedback else
-                    jax.tree.map(lambda _: jnp.zeros((), jnp.float32), params))
-        return FSDPState(residual=residual, key=key, count=jnp.zeros([], jnp.int32))
-
-    def value_and_grad(loss_fn, has_aux: bool = False):
-        def run(shards, state: FSDPState, *args):
-            check_axis(axis_name)
-            stored = state.residual
-            residual = (jax.tree.map(_block, stored) if error_feedback
-                        else _zero_residuals(shards, dimension, axis_name))
-            step_key = jax.random.fold_in(state.key, state.count)
-
-            def loss_of(s, r):
-                params = qc.fsdp_gather(s, r, step_key, axis_name, dimension=dimension,
-                                        weights=weights, gradients=gradients, mean=mean,
-                                        exchange=exchange)
-                return loss_fn(params, *args)
-
-            value, (grads, new) = jax.value_and_grad(loss_of, argnums=(0, 1),
-                                                     has_aux=has_aux)(shards, residual)
-            if not error_feedback:
-                return (value, grads), FSDPState(stored, state.key,
-                                                 optax.safe_int32_increment(state.count))
-            finite = _finite_everywhere(grads, axis_name)
-            new = keep_if_finite(finite, new, residual)
-            new = jax.tree.map(lambda n, s: n.reshape(s.shape), new, stored)
-            return (value, grads), FSDPState(new, state.key,
-                                             optax.safe_int32_increment(state.count))
-        return run
-
-    return FSDP(init, value_and_grad, dimension)
+    settings = _Settings(axis_name, dimension, weights, gradients, error_feedback, mean,
+                         exchange)
+    return FSDP(functools.partial(_init, key=check_key("key", key), s=settings),
+                functools.partial(_value_and_grad, s=settings), dimension)
 
 
-def _zero_residuals(shards, dimension, axis_name):
+class _Settings(NamedTuple):
+    """The validated static settings of one `fsdp`."""
+
+    axis_name: AxisName
+    dimension: Any
+    weights: qc.Compressor | None
+    gradients: qc.Compressor | None
+    error_feedback: bool
+    mean: bool
+    exchange: qc.Exchange
+
+
+def _init(params: optax.Params, *, key: jax.Array, s: _Settings) -> FSDPState:
+    residual = (qc.fsdp_residuals(params, s.dimension) if s.error_feedback else
+                jax.tree.map(lambda _: jnp.zeros((), jnp.float32), params))
+    return FSDPState(residual=residual, key=key, count=jnp.zeros([], jnp.int32))
+
+
+def _value_and_grad(loss_fn: Callable[..., Any], has_aux: bool = False, *,
+                    s: _Settings) -> Callable[..., tuple[tuple[Any, Any], FSDPState]]:
+    """`FSDP.value_and_grad`: ``f(shards, state, *args) -> ((loss, grads), state)``."""
+    return functools.partial(_step, loss_fn=loss_fn, has_aux=has_aux, s=s)
+
+
+def _step(shards: optax.Params, state: FSDPState, *args: Any, loss_fn: Callable[..., Any],
+          has_aux: bool, s: _Settings) -> tuple[tuple[Any, Any], FSDPState]:
+    """One step of `FSDP.value_and_grad`: the loss of the gathered parameters,
+    its gradient reduce-scattered to ``shards``, and the next residuals."""
+    check_axis(s.axis_name)
+    stored = state.residual
+    residual = (jax.tree.map(_block, stored) if s.error_feedback
+                else _zero_residuals(shards, s.dimension, s.axis_name))
+    step_key = jax.random.fold_in(state.key, state.count)
+
+    def loss_of(shards: Any, residual: Any) -> Any:
+        params = qc.fsdp_gather(shards, residual, step_key, s.axis_name, dimension=s.dimension,
+                                weights=s.weights, gradients=s.gradients, mean=s.mean,
+                                exchange=s.exchange)
+        return loss_fn(params, *args)
+
+    value, (grads, new) = jax.value_and_grad(loss_of, argnums=(0, 1),
+                                             has_aux=has_aux)(shards, residual)
+    if not s.error_feedback:
+        return (value, grads), FSDPState(stored, state.key,
+                                         optax.safe_int32_increment(state.count))
+    finite = _finite_everywhere(grads, s.axis_name)
+    new = keep_if_finite(finite, new, residual)
+    new = jax.tree.map(lambda n, st: n.reshape(st.shape), new, stored)
+    return (value, grads), FSDPState(new, state.key, optax.safe_int32_increment(state.count))
+
+
+def _zero_residuals(shards: Any, dimension: Any, axis_name: AxisName) -> Any:
     """`qcollect.fsdp_residuals` of the full leaves whose shards are ``shards``
     (made in the step: without error feedback nothing is stored)."""
     n = math.prod(lax.axis_size(a) for a in mesh_axes(axis_name))
 
-    def zeros(shard, d):
+    def zeros(shard: jax.Array, d: int | None) -> jax.Array:
         shape = list(jnp.shape(shard))
         if d is not None:
             shape[d] *= n
@@ -190,21 +215,33 @@ def _zero_residuals(shards, dimension, axis_name):
     return jax.tree.map(zeros, shards, dimension, is_leaf=lambda d: d is None)
 
 
-def _block(stored):
+def _block(stored: jax.Array) -> jax.Array:
     """This device's residual: its ``(1, *shape)`` block under ``shard_map``."""
     return stored[0]
 
 
-def _finite_everywhere(grads, axis_name):
+def _finite_everywhere(grads: Any, axis_name: AxisName) -> jax.Array:
     """Scalar: every device's gradient shards are finite (one 4-byte psum)."""
     leaves = jax.tree.leaves(grads)
     bad = sum((~jnp.isfinite(leaf)).sum(dtype=jnp.int32) for leaf in leaves) if leaves else 0
     return lax.psum(jnp.asarray(bad, jnp.int32), axis_name) == 0
 
 
-def shard_specs(dimension, axis_name):
+def shard_specs(dimension: Any, axis_name: AxisName) -> Any:
     """The ``PartitionSpec`` of each leaf of `shard_params`: ``P(axis_name)``
     on its ``dimension``, ``P()`` where it is None.
+
+    These are the ``in_specs`` and ``out_specs`` of the sharded parameters in
+    the step's ``jax.shard_map``.
+
+    Args:
+      dimension: a pytree like the parameters of ints and None
+        (`qcollect.shard_dimensions`).
+      axis_name: the data axis, or ``(outer, inner)``: the leaf is then split
+        over both axes on its dimension.
+
+    Returns:
+      A pytree like ``dimension`` of ``PartitionSpec``.
 
     Example:
       >>> import transforms
@@ -217,45 +254,126 @@ def shard_specs(dimension, axis_name):
                         dimension, is_leaf=lambda d: d is None)
 
 
-def shard_params(params, mesh, axis_name, dimension):
-    """``params`` placed on ``mesh`` by `shard_specs`: the whole array is the
-    global view, each device holds its block of every sharded leaf. Works
-    across processes (each fills its own devices from equal ``params``)."""
+def shard_params(params: optax.Params, mesh: Mesh, axis_name: AxisName,
+                 dimension: Any) -> optax.Params:
+    """``params`` placed on ``mesh`` by `shard_specs`: each device holds its
+    block of every sharded leaf, and 1/N of the memory.
+
+    The placed array is the global view (its shape is the full leaf's); inside
+    ``jax.shard_map`` each device sees its block. Works across processes
+    (each fills its own devices from equal ``params``).
+
+    Args:
+      params: the full parameters (host values or replicated arrays).
+      mesh: a `jax.sharding.Mesh` with the axes of ``axis_name``.
+      axis_name: the data axis (or ``(outer, inner)``).
+      dimension: each leaf's sharded dimension or None
+        (`qcollect.shard_dimensions`).
+
+    Returns:
+      ``params`` with every leaf placed by its `shard_specs` spec.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, qcollect as qc, transforms
+      >>> n = jax.device_count()
+      >>> mesh = jax.make_mesh((n,), ("data",))
+      >>> params = {"w": jnp.zeros((64, 512)), "b": jnp.zeros(512)}
+      >>> dims = qc.shard_dimensions(params, n)
+      >>> shards = transforms.shard_params(params, mesh, "data", dims)
+      >>> shards["w"].addressable_shards[0].data.size * n == params["w"].size
+      True
+    """
     specs = shard_specs(dimension, axis_name)
-    return jax.tree.map(lambda leaf, spec: _put(leaf, NamedSharding(mesh, spec)), params,
+    return jax.tree.map(lambda leaf, spec: put(leaf, NamedSharding(mesh, spec)), params,
                         specs)
 
 
-def init_on_shards(tx: optax.GradientTransformation, shards, mesh):
+def init_on_shards(tx: optax.GradientTransformation, shards: optax.Params,
+                   mesh: Mesh) -> optax.OptState:
     """``tx.init(shards)`` on ``mesh``: moments sharded like the parameters
-    they follow (placed by `shard_params`), counters replicated
-    (`transforms._sharding.init_like_params`)."""
+    they follow, counters replicated.
+
+    With the optimizer's moments sharded as the parameters, each device keeps
+    1/N of the optimizer state too (ZeRO-3).
+
+    Args:
+      tx: the optimizer that steps on the shards (any optax transformation).
+      shards: the parameters placed by `shard_params`.
+      mesh: the mesh they are placed on.
+
+    Returns:
+      The optimizer state, each leaf placed on ``mesh`` (`sharded_specs`
+      gives its specs).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, qcollect as qc, transforms
+      >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+      >>> params = {"w": jnp.zeros((64, 512)), "b": jnp.zeros(512)}
+      >>> dims = qc.shard_dimensions(params, jax.device_count())
+      >>> shards = transforms.shard_params(params, mesh, "data", dims)
+      >>> state = transforms.init_on_shards(optax.adam(1e-3), shards, mesh)
+      >>> state[0].mu["w"].sharding.spec == shards["w"].sharding.spec
+      True
+    """
     return jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, a.sharding.spec)),
                         init_like_params(tx, shards, mesh))
 
 
-def sharded_specs(tree):
-    """The ``PartitionSpec`` of every placed array of ``tree`` (for ``shard_map``)."""
+def sharded_specs(tree: Any) -> Any:
+    """The ``PartitionSpec`` of every placed array of ``tree`` (for ``shard_map``).
+
+    Args:
+      tree: a pytree of arrays placed with a ``NamedSharding`` (`shard_params`,
+        `init_on_shards`).
+
+    Returns:
+      A pytree like ``tree`` of each leaf's ``sharding.spec``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, transforms
+      >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+      >>> tree = transforms.shard_params({"w": jnp.zeros((8 * jax.device_count(), 4))},
+      ...                                mesh, "data", {"w": 0})
+      >>> transforms.sharded_specs(tree)
+      {'w': P('data',)}
+    """
     return jax.tree.map(lambda a: a.sharding.spec, tree)
 
 
-def clip_by_global_norm(max_norm: float, axis_name) -> optax.GradientTransformation:
+def clip_by_global_norm(max_norm: float, axis_name: AxisName) -> optax.GradientTransformation:
     """``optax.clip_by_global_norm`` for gradients sharded over ``axis_name``.
 
-    Leaves typed varying along ``axis_name`` are shards (their squares are
-    summed over the devices, one ``psum`` of a float); invariant leaves are
-    replicated and counted once. The norm is that of the full gradient, the
-    same on every device, so all shards are scaled alike.
+    ``optax.clip_by_global_norm`` on shards would clip each shard by its own
+    norm. Here leaves typed varying along ``axis_name`` are shards (their
+    squares are summed over the devices, one ``psum`` of a float); invariant
+    leaves are replicated and counted once. The norm is that of the full
+    gradient, the same on every device, so all shards are scaled alike.
+
+    Args:
+      max_norm: the largest global norm, > 0.
+      axis_name: the data axis the gradients are sharded over.
+
+    Returns:
+      An ``optax.GradientTransformation`` without state; its ``update`` runs
+      inside ``jax.shard_map`` over ``axis_name``.
+
+    Raises:
+      ValueError: ``max_norm`` is not above 0.
+
+    Example:
+      >>> import optax, transforms
+      >>> tx = optax.chain(transforms.clip_by_global_norm(1.0, "data"), optax.adamw(1e-3))
     """
     if not max_norm > 0:
         raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
 
-    def update(grads, state, params=None):
+    def update(grads: optax.Updates, state: optax.OptState,
+               params: optax.Params | None = None) -> tuple[optax.Updates, optax.OptState]:
         del params
         check_axis(axis_name)
         leaves = jax.tree.leaves(grads)
-        sharded = [leaf for leaf in leaves if _varies_along(leaf, axis_name)]
-        whole = [leaf for leaf in leaves if not _varies_along(leaf, axis_name)]
+        sharded = [leaf for leaf in leaves if varies_along(leaf, axis_name)]
+        whole = [leaf for leaf in leaves if not varies_along(leaf, axis_name)]
         squares = lambda ls: sum(jnp.sum(jnp.square(leaf.astype(jnp.float32))) for leaf in ls)  # noqa: E731
         total = squares(whole) + (lax.psum(squares(sharded), axis_name) if sharded else 0.0)
         norm = jnp.sqrt(total)

@@ -74,7 +74,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
@@ -84,15 +84,13 @@ from jax import lax
 
 import qcollect as qc
 from qcollect.checks import check_choice, check_float, check_int, check_key
+from transforms._axes import AxisName, check_local_gradients
+from transforms._blocks import leaves_like
+from transforms._finite import all_finite
 from transforms._gradiveq_cycle import LeafPlan, Schedule, refreshed
 from transforms._gradiveq_sums import aggregate
-from transforms._policy import check_compressor, leaf_choices, sum_uncompressed
-from transforms._sharding import (
-    all_finite,
-    check_local_gradients,
-    leaves_like,
-    per_device,
-)
+from transforms._placement import per_device
+from transforms._policy import LeafPredicate, check_compressor, leaf_choices, sum_uncompressed
 from transforms._state import (
     check_entries,
     kept_per_device,
@@ -103,6 +101,9 @@ from transforms._state import (
 
 #: Default compressor of the warm-up and sampling steps (section 3: QSGD).
 _QSGD4 = qc.qsgd(bits=4)
+
+#: ``K`` for every leaf, or ``f(path, leaf) -> K | None`` per leaf (None: uncompressed).
+SliceSize = int | Callable[[Any, Any], int | None]
 
 #: The fields of `GradiVeQState` with one entry per leaf.
 _PER_LEAF = ("residual", "samples", "basis", "mean", "rank")
@@ -154,15 +155,15 @@ class GradiVeQState(NamedTuple):
 class _Settings:
     """The validated static settings of one `gradiveq` transformation."""
 
-    axis_name: Any
-    slice_size: int | Callable
+    axis_name: AxisName
+    slice_size: SliceSize
     rank: int | None
     loss_threshold: float | None
     max_rank: int | None
     schedule: Schedule
     sample_slices: int
     min_size: int
-    compress_if: Callable | None
+    compress_if: LeafPredicate | None
     sample_compressor: qc.Compressor | None
     sample_algorithm: qc.Algorithm
     stop_loss: float | None
@@ -171,11 +172,11 @@ class _Settings:
     batch_buckets: qc.BatchBuckets
 
 
-def gradiveq(axis_name, *, key: jax.Array, slice_size: int | Callable,
+def gradiveq(axis_name: AxisName, *, key: jax.Array, slice_size: SliceSize,
              loss_threshold: float | None = None, rank: int | None = None,
              max_rank: int | None = None, warmup_steps: int = 0, sample_steps: int = 100,
              compressed_steps: int = 400, sample_slices: int = 1, min_size: int = 0,
-             compress_if: Callable | None = None,
+             compress_if: LeafPredicate | None = None,
              sample_compressor: qc.Compressor | None = _QSGD4,
              sample_algorithm: qc.Algorithm = "auto", stop_loss: float | None = None,
              mean: bool = True, error_feedback: bool = True,
@@ -186,7 +187,8 @@ def gradiveq(axis_name, *, key: jax.Array, slice_size: int | Callable,
     ``sample_steps`` such steps that sample the aggregated gradients and fit a
     PCA compressor per leaf (eq. 6), and ``compressed_steps`` steps through
     those compressors on the compressed-domain ring (Algorithm 1), with error
-    feedback throughout. The module docstring has the details.
+    feedback throughout. docs/transforms.md ("GradiVeQ and PowerSGD") has
+    the details.
 
     Args:
       axis_name: the data-parallel axis (``shard_map`` or ``pmap``).
@@ -250,9 +252,12 @@ def gradiveq(axis_name, *, key: jax.Array, slice_size: int | Callable,
                                         functools.partial(_update, settings=settings))
 
 
-def _validated(axis_name, *, slice_size, loss_threshold, rank, max_rank, schedule,
-               sample_slices, min_size, compress_if, sample_compressor, sample_algorithm,
-               stop_loss, mean, error_feedback, batch_buckets) -> _Settings:
+def _validated(axis_name: AxisName, *, slice_size: SliceSize, loss_threshold: float | None,
+               rank: int | None, max_rank: int | None, schedule: tuple[int, int, int],
+               sample_slices: int, min_size: int, compress_if: LeafPredicate | None,
+               sample_compressor: qc.Compressor | None, sample_algorithm: qc.Algorithm,
+               stop_loss: float | None, mean: bool, error_feedback: bool,
+               batch_buckets: qc.BatchBuckets) -> _Settings:
     """The settings of `gradiveq`, checked; ValueError naming the first bad one."""
     if (loss_threshold is None) == (rank is None):
         raise ValueError("exactly one of loss_threshold and rank must be given, got "
@@ -282,12 +287,12 @@ def _validated(axis_name, *, slice_size, loss_threshold, rank, max_rank, schedul
         sample_compressor=check_compressor("sample_compressor", sample_compressor,
                                            per_leaf=False, allow_none=True),
         sample_algorithm=check_choice("sample_algorithm", sample_algorithm,
-                                      ("auto",) + qc.ALGORITHMS),
+                                      get_args(qc.Algorithm)),
         stop_loss=check_float("stop_loss", stop_loss, low=0.0, allow_none=True),
         mean=mean, error_feedback=error_feedback, batch_buckets=batch_buckets)
 
 
-def _leaf_plan(path, leaf, settings: _Settings) -> LeafPlan | None:
+def _leaf_plan(path: Any, leaf: Any, settings: _Settings) -> LeafPlan | None:
     """The static layout of a leaf the policy keeps, or None for one smaller than a slice."""
     size = int(np.prod(np.shape(leaf)))
     k = settings.slice_size(path, leaf) if callable(settings.slice_size) else settings.slice_size
@@ -300,23 +305,23 @@ def _leaf_plan(path, leaf, settings: _Settings) -> LeafPlan | None:
     if rank is not None and rank > k:
         raise ValueError(f"rank must be an integer in [1, {k}] (the slice size of "
                          f"{jax.tree_util.keystr(path)}), got {rank!r}")
-    columns = rank if rank is not None else min(settings.max_rank, k)
+    columns = rank if rank is not None else min(settings.max_rank or k, k)  # max_rank: set
     return LeafPlan(k, columns, min(settings.sample_slices, size // k), size // k)
 
 
-def _plan(tree, settings: _Settings) -> list[LeafPlan | None]:
+def _plan(tree: Any, settings: _Settings) -> list[LeafPlan | None]:
     """Each leaf's `LeafPlan` (flatten order), None for the leaves that go uncompressed."""
     compress_if = settings.compress_if or (lambda path, leaf: np.ndim(leaf) >= 2)
     return leaf_choices(tree, functools.partial(_leaf_plan, settings=settings),
                         min_size=settings.min_size, compress_if=compress_if)
 
 
-def _init(params, *, key, settings: _Settings) -> GradiVeQState:
+def _init(params: optax.Params, *, key: jax.Array, settings: _Settings) -> GradiVeQState:
     leaves, treedef = jax.tree.flatten(params)
     plans = _plan(params, settings)
     sample_steps = settings.schedule.sample_steps
 
-    def per_leaf(make):
+    def per_leaf(make: Callable[[LeafPlan], jax.Array]) -> Any:
         return treedef.unflatten([optax.MaskedNode() if p is None else make(p) for p in plans])
 
     return GradiVeQState(
@@ -335,19 +340,22 @@ def _init(params, *, key, settings: _Settings) -> GradiVeQState:
     )
 
 
-def _expected_shapes(plan: LeafPlan | None, settings: _Settings) -> dict:
+def _expected_shapes(plan: LeafPlan | None,
+                     settings: _Settings) -> dict[str, tuple[int, ...] | None]:
     """The per-leaf entries `_init` keeps for a leaf of this plan, and their shapes."""
     if plan is None:
         return {}
-    want = {"residual": None,  # checked by read_per_device
-            "samples": (settings.schedule.sample_steps, plan.sampled * plan.slice_size),
-            "basis": (plan.slice_size, plan.columns), "mean": (plan.slice_size,), "rank": ()}
+    want: dict[str, tuple[int, ...] | None] = {
+        "residual": None,  # checked by read_per_device
+        "samples": (settings.schedule.sample_steps, plan.sampled * plan.slice_size),
+        "basis": (plan.slice_size, plan.columns), "mean": (plan.slice_size,), "rank": ()}
     if not settings.error_feedback:
         del want["residual"]
     return want
 
 
-def _read_state(grads, leaves, plans, state: GradiVeQState, settings: _Settings) -> dict:
+def _read_state(grads: optax.Updates, leaves: list[jax.Array], plans: list[LeafPlan | None],
+                state: GradiVeQState, settings: _Settings) -> dict[str, list[Any]]:
     """The per-leaf entries of ``state`` at the leaves of ``grads``, checked
     against ``init``'s: name -> list, ``"residual"`` this device's (None where
     there is none), and ``"block"`` the residuals as stored."""
@@ -364,7 +372,8 @@ def _read_state(grads, leaves, plans, state: GradiVeQState, settings: _Settings)
     return entries
 
 
-def _update(grads, state: GradiVeQState, params=None, *, settings: _Settings):
+def _update(grads: optax.Updates, state: GradiVeQState, params: optax.Params | None = None,
+            *, settings: _Settings) -> tuple[optax.Updates, GradiVeQState]:
     """One step: the reduced update (mean or sum over devices) and the next state."""
     del params
     check_local_gradients(grads, settings.axis_name)
@@ -375,7 +384,7 @@ def _update(grads, state: GradiVeQState, params=None, *, settings: _Settings):
     n = int(lax.axis_size(settings.axis_name))
     phase = settings.schedule.phase(state.count, state.cycle_start)
     mine = {name: [entries[name][i] for i in idx] for name in _PER_LEAF}
-    cplans = [plans[i] for i in idx]
+    cplans = [plan for plan in plans if plan is not None]  # the plans at idx
 
     out = sum_uncompressed(leaves, [p is not None for p in plans], settings.axis_name,
                            mean=settings.mean)

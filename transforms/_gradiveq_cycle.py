@@ -10,7 +10,7 @@ eq. 6). `Schedule.phase` says where a step falls, from the step count alone.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +49,7 @@ class Schedule:
     def cycle(self) -> int:
         return self.sample_steps + self.compressed_steps
 
-    def phase(self, count, cycle_start) -> Phase:
+    def phase(self, count: jax.Array, cycle_start: jax.Array) -> Phase:
         """The phase of step ``count`` in the cycle that began at ``cycle_start``."""
         since = count - cycle_start
         position = jnp.mod(jnp.maximum(since, 0), self.cycle)
@@ -71,8 +71,9 @@ class LeafPlan(NamedTuple):
     num_slices: int    # full slices in the leaf
 
 
-def refreshed(mine: dict, sums, plans: list, valid, phase: Phase, finite, *,
-              rank: int | None, loss_threshold: float | None) -> dict:
+def refreshed(mine: dict[str, list[Any]], sums: list[jax.Array], plans: list[LeafPlan],
+              valid: jax.Array, phase: Phase, finite: jax.Array, *, rank: int | None,
+              loss_threshold: float | None) -> dict[str, list[Any]]:
     """The compressed leaves' next samples (written on a finite sampling
     step) and compressors (refitted after the cycle's last sampling step),
     name -> list, from their current entries ``mine``."""
@@ -84,7 +85,8 @@ def refreshed(mine: dict, sums, plans: list, valid, phase: Phase, finite, *,
     return {"samples": samples, **dict(zip(("basis", "mean", "rank"), fitted, strict=True))}
 
 
-def record_samples(samples, sums, plans, phase: Phase, finite) -> list:
+def record_samples(samples: list[jax.Array], sums: list[jax.Array], plans: list[LeafPlan],
+                   phase: Phase, finite: jax.Array) -> list[jax.Array]:
     """Each leaf's sample buffer with its sampled slices written in this step's
     slot, on a sampling step with finite gradients."""
     write = phase.sampling & finite
@@ -96,14 +98,16 @@ def record_samples(samples, sums, plans, phase: Phase, finite) -> list:
     return out
 
 
-def sample_rows(flat, leaf: LeafPlan):
+def sample_rows(flat: jax.Array, leaf: LeafPlan) -> jax.Array:
     """The ``s`` evenly spaced full slices of a flat leaf, concatenated: ``(s * K,)``."""
     k = leaf.slice_size
     starts = [(j * leaf.num_slices) // leaf.sampled * k for j in range(leaf.sampled)]
     return jnp.concatenate([flat[a:a + k] for a in starts])
 
 
-def fit(samples, valid, plans, *, rank: int | None, loss_threshold: float | None):
+def fit(samples: list[jax.Array], valid: jax.Array, plans: list[LeafPlan], *,
+        rank: int | None, loss_threshold: float | None
+        ) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
     """``(bases, means, ranks)``: eq. (6) fitted to each leaf's sample buffer."""
     bases, means, ranks = [], [], []
     for buffer, plan in zip(samples, plans, strict=True):
@@ -117,7 +121,7 @@ def fit(samples, valid, plans, *, rank: int | None, loss_threshold: float | None
     return bases, means, ranks
 
 
-def fill_invalid(samples, valid):
+def fill_invalid(samples: jax.Array, valid: jax.Array) -> jax.Array:
     """Rows of slots without a sample replaced by copies of valid rows (cyclically)."""
     slots = valid.shape[0]
     order = jnp.argsort(jnp.logical_not(valid), stable=True)   # valid slots first

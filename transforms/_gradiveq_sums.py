@@ -5,20 +5,30 @@ GradiVeQ, Algorithm 1) in the compressed steps.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 import qcollect as qc
+from transforms._axes import AxisName, mesh_axes
 from transforms._phases import COMPRESSED, SAMPLING, WARM_UP
 from transforms._policy import group_indices
-from transforms._sharding import mesh_axes
+
+if TYPE_CHECKING:
+    from transforms._gradiveq import _Settings
 
 __all__ = ["aggregate", "sum_on_pca_ring", "sum_sampled"]
 
+#: ``(sums, contributed, votes)``: the leaves summed over devices, what this
+#: device's encodings decode to (float32), and the stop-early votes.
+Sums = tuple[list[jax.Array], list[jax.Array], jax.Array]
 
-def aggregate(xs, bases, means, compressing, key, settings):
+
+def aggregate(xs: list[jax.Array], bases: list[jax.Array], means: list[jax.Array],
+              compressing: jax.Array, key: jax.Array, settings: _Settings) -> Sums:
     """The compressed leaves summed over devices: on the PCA ring in a
     compressed step (``compressing``, traced), else through the sample
     compressor; ``settings`` are `transforms.gradiveq`'s. The branches are
@@ -30,12 +40,12 @@ def aggregate(xs, bases, means, compressing, key, settings):
     s = settings
     sampled = (WARM_UP, SAMPLING) if s.schedule.warmup_steps else (SAMPLING,)
 
-    def on_ring():
+    def on_ring() -> Sums:
         with qc.phase(COMPRESSED):
             return sum_on_pca_ring(xs, bases, means, s.axis_name, key, s.stop_loss,
                                    s.batch_buckets)
 
-    def through_sample_compressor():
+    def through_sample_compressor() -> Sums:
         with qc.phase(*sampled):
             return sum_sampled(xs, s.axis_name, s.sample_compressor, key, s.sample_algorithm,
                                s.batch_buckets)
@@ -43,7 +53,9 @@ def aggregate(xs, bases, means, compressing, key, settings):
     return lax.cond(compressing, on_ring, through_sample_compressor)
 
 
-def sum_sampled(xs, axis_name, compressor, key, algorithm, batch=qc.BATCH_BUCKETS):
+def sum_sampled(xs: list[jax.Array], axis_name: AxisName, compressor: qc.Compressor | None,
+                key: jax.Array, algorithm: qc.Algorithm,
+                batch: qc.BatchBuckets = qc.BATCH_BUCKETS) -> Sums:
     """Sum over devices through the sample compressor (or exactly): (sums, contributed)."""
     if compressor is None:
         sums = qc.fused_psum(list(xs), axis_name)
@@ -54,8 +66,9 @@ def sum_sampled(xs, axis_name, compressor, key, algorithm, batch=qc.BATCH_BUCKET
             jnp.zeros((), jnp.int32))
 
 
-def sum_on_pca_ring(xs, bases, means, axis_name, key, stop_loss=None,
-                   batch=qc.BATCH_BUCKETS):
+def sum_on_pca_ring(xs: list[jax.Array], bases: list[jax.Array], means: list[jax.Array],
+                    axis_name: AxisName, key: jax.Array, stop_loss: float | None = None,
+                    batch: qc.BatchBuckets = qc.BATCH_BUCKETS) -> Sums:
     """Compressed-domain ring sum, one PCA compressor per leaf.
 
     Leaves of one shape and basis shape form a class. Where
@@ -76,7 +89,8 @@ def sum_on_pca_ring(xs, bases, means, axis_name, key, stop_loss=None,
     axes = mesh_axes(axis_name)
     n = int(lax.axis_size(axes[0] if len(axes) == 2 else axis_name))
 
-    def reduce_leaf(x, u, mu, leaf_key):
+    def reduce_leaf(x: jax.Array, u: jax.Array, mu: jax.Array,
+                    leaf_key: jax.Array) -> tuple[jax.Array, jax.Array]:
         result = qc.compressed_all_reduce(x, axis_name, qc.pca(u, mu, num_workers=n),
                                           leaf_key, algorithm="ring")
         return result.value.astype(jnp.float32), result.contributed.astype(jnp.float32)

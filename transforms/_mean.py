@@ -9,17 +9,20 @@ policy"), and as the exact reference a compressed run is compared with.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import optax
 
 import qcollect as qc
-from transforms._sharding import check_local_gradients
+from transforms._axes import AxisName, check_local_gradients
+from transforms._policy import BlockSpecs
 
 __all__ = ["mean_all_reduce", "path_name"]
 
 
-def mean_all_reduce(axis_name, *, block_specs=None) -> optax.GradientTransformation:
+def mean_all_reduce(axis_name: AxisName, *,
+                    block_specs: BlockSpecs = None) -> optax.GradientTransformation:
     """The exact mean of each device's gradients over ``axis_name``.
 
     The leaves are concatenated per dtype into 4 MiB buckets and each bucket
@@ -51,13 +54,15 @@ def mean_all_reduce(axis_name, *, block_specs=None) -> optax.GradientTransformat
         functools.partial(_update, axis_name=axis_name, block_specs=block_specs))
 
 
-def _update(grads, state, params=None, *, axis_name, block_specs):
+def _update(grads: optax.Updates, state: optax.EmptyState, params: optax.Params | None = None,
+            *, axis_name: AxisName,
+            block_specs: BlockSpecs) -> tuple[optax.Updates, optax.EmptyState]:
     del params
     check_local_gradients(grads, axis_name)
     return qc.fused_psum(grads, axis_name, mean=True, block_specs=block_specs), state
 
 
-def path_name(path, sep: str = "/") -> str:
+def path_name(path: tuple[Any, ...], sep: str = "/") -> str:
     """A key path as a readable name: ``"layers/0/kernel"``.
 
     The ``path`` a leaf policy's ``compressor(path, leaf)`` or
@@ -69,6 +74,13 @@ def path_name(path, sep: str = "/") -> str:
     entry is ``GetAttrKey("value")``, the ``Variable``'s value, so
     ``path[-1].key`` fails there; this joins every entry's name, without
     that trailing ``value``.
+
+    Args:
+      path: a key path, as a leaf policy receives it.
+      sep: the separator between entries.
+
+    Returns:
+      The entries' names joined by ``sep``.
 
     Example:
       >>> import jax, jax.numpy as jnp, transforms

@@ -10,6 +10,7 @@ as `PhaseSpan` runs under the same names: together, what a run sends.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from qcollect.checks import check_int
@@ -22,7 +23,7 @@ WARM_UP = "warm-up"        # uncompressed (PowerSGD) or sample-compressed (Gradi
 SAMPLING = "sampling"      # GradiVeQ's steps that sample the sums for the next fit
 COMPRESSED = "compressed"  # the compressor the transformation is named for
 
-#: `transforms.powersgd`'s default ``start_iter`` (its module docstring says why).
+#: `transforms.powersgd`'s default ``start_iter`` (docs/transforms.md says why).
 POWERSGD_START_ITER = 10
 
 
@@ -34,7 +35,7 @@ class PhaseSpan(NamedTuple):
     stop: int
 
 
-def clipped(runs, steps: int) -> tuple[PhaseSpan, ...]:
+def clipped(runs: Iterable[tuple[str, int, int]], steps: int) -> tuple[PhaseSpan, ...]:
     """``(name, start, stop)`` runs cut to steps ``0 .. steps - 1``, empty ones dropped.
 
     Example:
@@ -45,8 +46,14 @@ def clipped(runs, steps: int) -> tuple[PhaseSpan, ...]:
     return tuple(span for span in out if span.start < span.stop)
 
 
-def steps_per_phase(schedule) -> dict[str, int]:
+def steps_per_phase(schedule: Iterable[PhaseSpan]) -> dict[str, int]:
     """Steps in each phase of a schedule of `PhaseSpan`, in order of first appearance.
+
+    Args:
+      schedule: `PhaseSpan` runs, e.g. `powersgd_phases` or `gradiveq_phases`.
+
+    Returns:
+      Phase name -> number of steps.
 
     Example:
       >>> import transforms
@@ -67,8 +74,20 @@ def powersgd_phases(steps: int, *, start_iter: int = POWERSGD_START_ITER
     names are those its branches are marked with, so with
     `qcollect.wire_bytes_by_phase` of the step they give what the run sends.
 
+    Args:
+      steps: the run's length, >= 0.
+      start_iter: `powersgd`'s ``start_iter``.
+
+    Returns:
+      The `PhaseSpan` runs in step order, empty ones left out.
+
     Raises:
       ValueError: ``steps`` or ``start_iter`` is not an integer >= 0.
+
+    References:
+      PyTorch ``powerSGD_hook``'s ``start_powerSGD_iter`` (uncompressed
+      steps before PowerSGD starts); Vogels et al., PowerSGD, NeurIPS 2019
+      <https://arxiv.org/abs/1905.13727>, Algorithm 1.
 
     Example:
       >>> import transforms
@@ -94,9 +113,22 @@ def gradiveq_phases(steps: int, *, warmup_steps: int = 0, sample_steps: int = 10
     a vote can end a compressed phase early, and a run spends at most these
     steps compressed.
 
+    Args:
+      steps: the run's length, >= 0.
+      warmup_steps: `gradiveq`'s ``warmup_steps``.
+      sample_steps: its ``sample_steps`` (L_t).
+      compressed_steps: its ``compressed_steps`` (L_c).
+
+    Returns:
+      The `PhaseSpan` runs in step order, empty ones left out.
+
     Raises:
       ValueError: ``steps`` or ``warmup_steps`` below 0, or ``sample_steps``
         or ``compressed_steps`` below 1.
+
+    References:
+      Yu et al., GradiVeQ, NeurIPS 2018 <https://arxiv.org/abs/1811.03617>,
+      section 3 ("System Overview": L_t sampling and L_c compressed steps).
 
     Example:
       >>> import transforms

@@ -13,21 +13,35 @@ together.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
+from transforms._axes import AxisName
 
-CompressorSpec = qc.Compressor | Callable[..., qc.Compressor | None]
+#: A compressor for every leaf, or ``f(path, leaf) -> Compressor | None`` per
+#: leaf (None: the leaf goes uncompressed).
+CompressorSpec = qc.Compressor | Callable[[Any, Any], qc.Compressor | None]
+
+#: ``compress_if(path, leaf) -> bool``: whether a leaf may be compressed.
+LeafPredicate = Callable[[Any, Any], bool]
+
+#: How model axes shard each leaf: one ``PartitionSpec``, a pytree of them
+#: like the parameters, ``f(path, leaf) -> PartitionSpec``, or None.
+BlockSpecs = P | Callable[[Any, Any], P] | Any
+
+_C = TypeVar("_C")
 
 
-def leaf_choices(tree, choose: Callable, *, min_size: int = 0,
-                 compress_if: Callable | None = None) -> list:
+def leaf_choices(tree: Any, choose: Callable[[Any, Any], _C], *, min_size: int = 0,
+                 compress_if: LeafPredicate | None = None) -> list[_C | None]:
     """One entry per leaf of ``tree`` (in flatten order): ``choose(path, leaf)``
     for the leaves with at least ``min_size`` values that pass ``compress_if``,
     None (uncompressed) for the others."""
-    out: list = []
+    out: list[_C | None] = []
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         size = int(np.prod(np.shape(leaf)))
         if size < min_size or (compress_if is not None and not compress_if(path, leaf)):
@@ -37,14 +51,42 @@ def leaf_choices(tree, choose: Callable, *, min_size: int = 0,
     return out
 
 
-def leaf_compressors(tree, compressor: CompressorSpec, *, min_size: int = 0,
-                     compress_if: Callable | None = None) -> list:
+def leaf_compressors(tree: Any, compressor: CompressorSpec, *, min_size: int = 0,
+                     compress_if: LeafPredicate | None = None) -> list[qc.Compressor | None]:
     """One entry per leaf of ``tree`` (in flatten order): a Compressor or None.
 
-    None means the leaf is reduced uncompressed (``lax.psum``).
+    The leaf policy of every transformation: leaves with fewer than
+    ``min_size`` values, or failing ``compress_if``, go uncompressed (small
+    biases cost little and lose most to quantization); the others get
+    ``compressor``, or what ``compressor(path, leaf)`` chooses.
+
+    Args:
+      tree: the parameters or gradients.
+      compressor: a qcollect `Compressor`, or ``f(path, leaf) -> Compressor |
+        None`` (`path_name` reads the path).
+      min_size: leaves with fewer values get None.
+      compress_if: optional predicate ``(path, leaf) -> bool``.
+
+    Returns:
+      A list with one entry per leaf: its Compressor, or None where the leaf
+      is reduced uncompressed (``lax.psum``).
+
+    Raises:
+      ValueError: ``compressor(path, leaf)`` returns something else than a
+        Compressor or None.
+
+    References:
+      Grubic et al., EDBT 2018, section 3.2.2 (small matrices in full
+      precision, with more than 99% of the parameters still quantized).
+
+    Example:
+      >>> import jax.numpy as jnp, qcollect as qc, transforms
+      >>> tree = {"w": jnp.zeros((64, 64)), "b": jnp.zeros(64)}
+      >>> [c is None for c in transforms.leaf_compressors(tree, qc.onebit(), min_size=1024)]
+      [True, False]
     """
 
-    def choose(path, leaf):
+    def choose(path: Any, leaf: Any) -> qc.Compressor | None:
         chosen = compressor if isinstance(compressor, qc.Compressor) else compressor(path, leaf)
         if chosen is not None and not isinstance(chosen, qc.Compressor):
             raise ValueError(f"compressor(path, leaf) must return a qcollect Compressor or "
@@ -54,7 +96,8 @@ def leaf_compressors(tree, compressor: CompressorSpec, *, min_size: int = 0,
     return leaf_choices(tree, choose, min_size=min_size, compress_if=compress_if)
 
 
-def check_compressor(name: str, value, *, per_leaf: bool = True, allow_none: bool = False):
+def check_compressor(name: str, value: Any, *, per_leaf: bool = True,
+                     allow_none: bool = False) -> Any:
     """``value`` if it is a qcollect Compressor, a function ``(path, leaf) ->
     Compressor | None`` (with ``per_leaf``) or None (with ``allow_none``).
 
@@ -73,26 +116,45 @@ def check_compressor(name: str, value, *, per_leaf: bool = True, allow_none: boo
     raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
-def group_indices(keys: list) -> dict:
+def group_indices(keys: list[_C | None]) -> dict[_C, list[int]]:
     """The positions of equal keys, ``{key: [i, ...]}`` in order of first
     appearance; None keys (uncompressed leaves) are left out."""
-    groups: dict = {}
+    groups: dict[_C, list[int]] = {}
     for i, key in enumerate(keys):
         if key is not None:
             groups.setdefault(key, []).append(i)
     return groups
 
 
-def compressed_fraction(tree, compressors: list) -> float:
-    """Fraction of the values of ``tree`` that go through a compressor."""
+def compressed_fraction(tree: Any, compressors: list[Any]) -> float:
+    """Fraction of the values of ``tree`` that go through a compressor.
+
+    Grubic et al. (section 3.2.2) choose the size threshold so that more
+    than 99% of the parameters are still quantized; this measures it.
+
+    Args:
+      tree: the parameters (or gradients).
+      compressors: one entry per leaf of ``tree`` in flatten order, None
+        where the leaf goes uncompressed (`leaf_compressors`).
+
+    Returns:
+      The compressed leaves' share of all values, 0.0 for an empty tree.
+
+    Example:
+      >>> import jax.numpy as jnp, qcollect as qc, transforms
+      >>> tree = {"w": jnp.zeros((64, 64)), "b": jnp.zeros(64)}
+      >>> chosen = transforms.leaf_compressors(tree, qc.qsgd(bits=4), min_size=1024)
+      >>> round(transforms.compressed_fraction(tree, chosen), 3)
+      0.985
+    """
     sizes = [int(np.prod(np.shape(leaf))) for leaf in jax.tree.leaves(tree)]
     total = sum(sizes)
     kept = sum(s for s, c in zip(sizes, compressors, strict=True) if c is not None)
     return kept / total if total else 0.0
 
 
-def sum_uncompressed(leaves: list, compressed: list[bool], axis_name, *, mean: bool,
-                     block_specs: list | None = None) -> list:
+def sum_uncompressed(leaves: list[jax.Array], compressed: list[bool], axis_name: AxisName, *,
+                     mean: bool, block_specs: list[P] | None = None) -> list[Any]:
     """The leaves that go uncompressed, summed (or averaged) over ``axis_name``
     in one exchange per 4 MiB bucket (`qcollect.fused_psum`, each device's
     model blocks when ``block_specs`` lists every leaf's); None in the places

@@ -81,7 +81,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
@@ -90,15 +90,12 @@ from jax import lax
 
 import qcollect as qc
 from qcollect.checks import check_choice, check_float, check_int, check_key
+from transforms._axes import AxisName, check_local_gradients
+from transforms._blocks import leaves_like
+from transforms._finite import all_finite, keep_if_finite
 from transforms._phases import COMPRESSED, POWERSGD_START_ITER, WARM_UP
+from transforms._placement import per_device
 from transforms._policy import group_indices, sum_uncompressed
-from transforms._sharding import (
-    all_finite,
-    check_local_gradients,
-    keep_if_finite,
-    leaves_like,
-    per_device,
-)
 from transforms._state import (
     check_entries,
     kept_per_device,
@@ -136,34 +133,44 @@ class PowerSGDState(NamedTuple):
     key: jax.Array
 
 
+#: How a leaf becomes a matrix (`qcollect.powersgd_matrix_shape`).
+MatrixView = Literal["last", "first"]
+
+#: ``(updates, local errors, Q memory)`` of one step, leaf by leaf.
+_Step = tuple[list[jax.Array], list[Any], list[Any]]
+
+#: The matrix view shape of a class of compressed leaves.
+_Shape = tuple[int, ...]
+
+
 @dataclasses.dataclass(frozen=True)
 class _Settings:
     """The validated static settings of one `powersgd` transformation."""
 
-    axis_name: Any
+    axis_name: AxisName
     rank: int
     start_iter: int
     warm_start: bool
     error_feedback: bool
     min_compression_rate: float
     mean: bool
-    matrix_view: Literal["last", "first"]
+    matrix_view: MatrixView
 
-    def compresses(self, leaf) -> bool:
+    def compresses(self, leaf: Any) -> bool:
         """Whether a rank-``rank`` factorization of the leaf's matrix view pays."""
         return qc.powersgd_should_compress(jnp.shape(leaf), self.rank,
                                            min_compression_rate=self.min_compression_rate,
                                            view=self.matrix_view)
 
-    def first_q(self, key, leaf):
+    def first_q(self, key: jax.Array, leaf: Any) -> jax.Array:
         """A fresh orthogonalized Gaussian ``Q`` for the leaf."""
         return qc.powersgd_init(key, jnp.shape(leaf), self.rank, view=self.matrix_view)
 
 
-def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = POWERSGD_START_ITER,
-             warm_start: bool = True, error_feedback: bool = True,
-             min_compression_rate: float = 2.0, mean: bool = True,
-             matrix_view: Literal["last", "first"] = "last") -> optax.GradientTransformation:
+def powersgd(axis_name: AxisName, *, rank: int, key: jax.Array,
+             start_iter: int = POWERSGD_START_ITER, warm_start: bool = True,
+             error_feedback: bool = True, min_compression_rate: float = 2.0, mean: bool = True,
+             matrix_view: MatrixView = "last") -> optax.GradientTransformation:
     """PowerSGD all-reduce of the gradients, as PyTorch's ``powerSGD_hook``.
 
     Steps ``0 .. start_iter - 1``: every leaf is averaged (or summed)
@@ -172,7 +179,8 @@ def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = POWERSGD
     factors of one power iteration with warm start and error feedback
     (Algorithms 1 and 2); the others go uncompressed. The two phases are
     marked ``"warm-up"`` and ``"compressed"`` (`qcollect.wire_bytes_by_phase`,
-    `powersgd_phases`). The module docstring has the details.
+    `powersgd_phases`). docs/transforms.md ("GradiVeQ and PowerSGD") has
+    the details.
 
     Args:
       axis_name: the data-parallel axis (``shard_map`` or ``pmap``).
@@ -181,7 +189,8 @@ def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = POWERSGD
       key: PRNG key for the random ``Q`` (the same on every device).
       start_iter: uncompressed steps before PowerSGD starts, >= 0
         (PyTorch's ``start_powerSGD_iter``, whose default is 1000; here 10,
-        see the module docstring).
+        for runs of a few hundred steps: docs/transforms.md, "What each
+        phase sends").
       warm_start: reuse ``Q`` from the previous step (default True).
       error_feedback: keep the local errors (default True).
       min_compression_rate: > 0; a leaf is compressed only when it shrinks
@@ -227,15 +236,16 @@ def powersgd(axis_name, *, rank: int, key: jax.Array, start_iter: int = POWERSGD
         start_iter=check_int("start_iter", start_iter, low=0), warm_start=warm_start,
         error_feedback=error_feedback,
         min_compression_rate=check_float("min_compression_rate", min_compression_rate),
-        mean=mean, matrix_view=check_choice("matrix_view", matrix_view, ("last", "first")))
+        mean=mean, matrix_view=check_choice("matrix_view", matrix_view, get_args(MatrixView)))
     key = check_key("key", key)
     return optax.GradientTransformation(functools.partial(_init, key=key, settings=settings),
                                         functools.partial(_update, settings=settings))
 
 
-def _init(params, *, key, settings: _Settings) -> PowerSGDState:
+def _init(params: optax.Params, *, key: jax.Array, settings: _Settings) -> PowerSGDState:
     leaves, treedef = jax.tree.flatten(params)
-    residuals, qs = [], []
+    residuals: list[Any] = []
+    qs: list[Any] = []
     for i, leaf in enumerate(leaves):
         compressed = settings.compresses(leaf)
         residuals.append(zeros_or_masked(leaf, compressed and settings.error_feedback))
@@ -245,14 +255,15 @@ def _init(params, *, key, settings: _Settings) -> PowerSGDState:
                          jnp.zeros([], jnp.int32), key)
 
 
-def _expected_shapes(leaf, settings: _Settings) -> dict:
+def _expected_shapes(leaf: Any, settings: _Settings) -> dict[str, tuple[int, ...] | None]:
     """The entries `_init` keeps for a leaf of this shape, and their shapes."""
     if not settings.compresses(leaf):
         return {}
     shape = tuple(jnp.shape(leaf))
     _, m = qc.powersgd_matrix_shape(shape, view=settings.matrix_view)
-    want = {"local error": None,  # checked by read_per_device
-            "Q memory": (m, qc.powersgd_rank(shape, settings.rank, view=settings.matrix_view))}
+    want: dict[str, tuple[int, ...] | None] = {
+        "local error": None,  # checked by read_per_device
+        "Q memory": (m, qc.powersgd_rank(shape, settings.rank, view=settings.matrix_view))}
     if not settings.error_feedback:
         del want["local error"]
     if not settings.warm_start:
@@ -260,7 +271,8 @@ def _expected_shapes(leaf, settings: _Settings) -> dict:
     return want
 
 
-def _update(grads, state: PowerSGDState, params=None, *, settings: _Settings):
+def _update(grads: optax.Updates, state: PowerSGDState, params: optax.Params | None = None,
+            *, settings: _Settings) -> tuple[optax.Updates, PowerSGDState]:
     """One step: the reduced update (mean or sum over devices) and the next state."""
     del params
     check_local_gradients(grads, settings.axis_name)
@@ -276,7 +288,8 @@ def _update(grads, state: PowerSGDState, params=None, *, settings: _Settings):
                       _expected_shapes(leaf, settings), owner="PowerSGD")
     qs = [None if isinstance(q, optax.MaskedNode) else q for q in stored_q]
 
-    def plain(leaves, residuals, qs, count, key):
+    def plain(leaves: list[jax.Array], residuals: list[Any], qs: list[Any], count: jax.Array,
+              key: jax.Array) -> _Step:
         del count, key
         with qc.phase(WARM_UP):
             summed = qc.fused_psum(list(leaves), settings.axis_name, mean=settings.mean)
@@ -284,7 +297,8 @@ def _update(grads, state: PowerSGDState, params=None, *, settings: _Settings):
         # mean of integer gradients is a float).
         return [s.astype(g.dtype) for s, g in zip(summed, leaves, strict=True)], residuals, qs
 
-    def power(leaves, residuals, qs, count, key):
+    def power(leaves: list[jax.Array], residuals: list[Any], qs: list[Any], count: jax.Array,
+              key: jax.Array) -> _Step:
         with qc.phase(COMPRESSED):
             return _power_step(leaves, residuals, qs, jax.random.fold_in(key, count), settings)
 
@@ -306,7 +320,8 @@ def _update(grads, state: PowerSGDState, params=None, *, settings: _Settings):
     )
 
 
-def _power_step(leaves, residuals, qs, step_key, settings: _Settings):
+def _power_step(leaves: list[jax.Array], residuals: list[Any], qs: list[Any],
+                step_key: jax.Array, settings: _Settings) -> _Step:
     """One compressed step: ``(updates, local errors, Q memory)``, leaf by leaf.
 
     Compressed leaves of one matrix view shape form a class. The large
@@ -347,7 +362,8 @@ def _power_step(leaves, residuals, qs, step_key, settings: _Settings):
     return out, new_residuals, new_qs
 
 
-def _matrices(leaves, residuals, settings: _Settings) -> dict:
+def _matrices(leaves: list[jax.Array], residuals: list[Any],
+              settings: _Settings) -> dict[int, jax.Array]:
     """``M_i = g_i + e_i`` (float32) of each compressed leaf ``i``, as its matrix view."""
     mats = {}
     for i, (g, residual) in enumerate(zip(leaves, residuals, strict=True)):
@@ -359,7 +375,8 @@ def _matrices(leaves, residuals, settings: _Settings) -> dict:
     return mats
 
 
-def _start_factors(classes: dict, leaves, qs, step_key, settings: _Settings) -> dict:
+def _start_factors(classes: dict[_Shape, list[int]], leaves: list[jax.Array], qs: list[Any],
+                   step_key: jax.Array, settings: _Settings) -> dict[_Shape, jax.Array]:
     """Each class's stacked ``Q`` to start the power iteration from: the
     normalized memory with warm start, else fresh from ``step_key``."""
     factors = {}
@@ -373,7 +390,7 @@ def _start_factors(classes: dict, leaves, qs, step_key, settings: _Settings) -> 
     return factors
 
 
-def _ring_sum(payloads, axis_name):
+def _ring_sum(payloads: list[jax.Array], axis_name: AxisName) -> list[jax.Array]:
     """Sums payloads in the compressed domain: a ring all-reduce of their words.
 
     The leaves' payloads are fused into float32 buffers of up to 4 MiB
@@ -386,7 +403,8 @@ def _ring_sum(payloads, axis_name):
                                     algorithm="ring").value
 
 
-def _ring_sum_classes(stacked, classes, axis_name):
+def _ring_sum_classes(stacked: dict[_Shape, jax.Array], classes: dict[_Shape, list[int]],
+                      axis_name: AxisName) -> dict[_Shape, jax.Array]:
     """`_ring_sum` of each class's stacked ``(k, ...)`` payloads, sent as
     the leaves' own payloads in leaf order (so the buckets and the sums are
     those of a leaf-by-leaf step); returns the sums stacked per class."""

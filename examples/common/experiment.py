@@ -44,7 +44,7 @@ def prepare(cfg, build_model, image_shape, data=None, mesh=None):
     """The model of ``cfg`` on its mesh and the data cut and shaped for it.
 
     Args:
-      cfg: a `TrainConfig` (``train_examples``, ``test_examples``, ``mesh``,
+      cfg: an `MNISTConfig` (``train_examples``, ``test_examples``, ``mesh``,
         ``nodes`` and ``data_dir`` are read here).
       build_model: ``cfg -> nnx.Module``.
       image_shape: the model's input shape, e.g. ``(784,)`` or ``(28, 28, 1)``.

@@ -26,7 +26,8 @@ class Task(Protocol):
     Attributes:
       metric: the evaluation's label in the progress bar (``acc``, ``bpb``).
       train_size: training examples; an epoch is ``train_size // global batch``
-        steps (``cfg.epochs``, the default checkpoint interval).
+        steps (a run's length when ``cfg.steps`` is 0, the default checkpoint
+        interval).
     """
 
     metric: str

@@ -326,10 +326,34 @@ def _loss_sum(graphdef, params, x, y):
 
 
 def run_length(cfg, train_size: int, num_devices: int) -> int:
-    """Steps per run: ``cfg.steps``, else ``cfg.epochs`` passes over the data."""
-    if cfg.steps:
-        return cfg.steps
-    return max(1, int(cfg.epochs * (train_size // (cfg.batch_size * num_devices))))
+    """Steps per run: ``cfg.steps``, else passes over the data (`TrainConfig.run_length`:
+    one; ``cfg.epochs`` for MNIST)."""
+    return cfg.run_length(train_size, cfg.batch_size * num_devices)
+
+
+@dataclasses.dataclass
+class _Run:
+    """What `train` carries from step to step.
+
+    Attributes:
+      params / opt_state: the state after the latest step.
+      step: the jitted step in use (the entropy quantizer's planner swaps in
+        one per plan).
+      planner: the entropy quantizer's `entropy_plan.Planner`, or None.
+      first: the first step to run (after a resumed checkpoint's).
+      times: wall seconds of each step that did not compile.
+      compiled: the steps run so far (one per compile).
+      args: ``(params, opt_state, x, y)`` of the latest step, for measuring it.
+    """
+
+    params: object
+    opt_state: object
+    step: object
+    planner: entropy_plan.Planner | None
+    first: int = 0
+    times: list = dataclasses.field(default_factory=list)
+    compiled: set = dataclasses.field(default_factory=set)
+    args: tuple | None = None
 
 
 def train(dp: DataParallel, name: str, cfg, data, *, progress=None,
@@ -349,13 +373,7 @@ def train(dp: DataParallel, name: str, cfg, data, *, progress=None,
     task = as_task(data)
     key = jax.random.key(cfg.seed)
     comm: Communication = dp.communication(name, cfg, key)
-    optimizer = make_optimizer(cfg) if optimizer is None else optimizer
-    tx = dp.transformation(comm, optimizer)
-    planner = (entropy_plan.Planner(dp, comm.entropy, cfg, dp.axis, key, optimizer)
-               if comm.entropy is not None else None)
-    params = dp.place(dp.params)
-    opt_state = dp.init(tx, params)
-    step = dp.step(tx, opt_state, replicated=comm.replicated)
+    run = _start(dp, comm, cfg, key, make_optimizer(cfg) if optimizer is None else optimizer)
     total = run_length(cfg, task.train_size, dp.num_devices)
     schedule = comm.phases(total) if comm.phases is not None else ()
     warn_if_never_compressed(name, schedule, total)
@@ -363,74 +381,120 @@ def train(dp: DataParallel, name: str, cfg, data, *, progress=None,
     global_batch = cfg.batch_size * dp.num_devices
     ckpt = Checkpoints(cfg.checkpoint_dir, name, dp.axis) if cfg.checkpoint_dir else None
     save_every = cfg.checkpoint_every or max(1, task.train_size // global_batch)
-    first = 0
     if ckpt is not None and cfg.resume and ckpt.latest_step() is not None:
-        latest = ckpt.latest_step()
-        restored = ckpt.restore(latest, {
-            "params": params, "opt_state": opt_state, "step": dp.replicate(np.int32(0))})
-        params, opt_state, first = restored["params"], restored["opt_state"], step_of(restored)
-        saved = ckpt.host_state(latest)
-        if planner is not None and saved is not None:
-            step = planner.resume(saved, opt_state)
-    result = RunResult(name, [first], [task.evaluate(dp, params)], [], 0, 0, 0.0, 0.0)
-    bar = progress(total, name, initial=first) if progress else None
-    times, compiled, args = [], set(), None
-    for i, (x, y) in enumerate(task.batches(global_batch, total, cfg.seed, start=first),
-                               start=first):
-        args = (params, opt_state) + dp.batch(x, y)
-        if planner is not None and (i % cfg.entropy_replan_every == 0 or planner.plans is None):
-            step = planner.step(*args)
-        fresh = step not in compiled
-        compiled.add(step)
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(step(*args))
-        elapsed = time.perf_counter() - t0
-        if planner is not None and not local_values(out[3]).all():
-            step, out = planner.retry(*args)
-            compiled.add(step)
-            fresh = True
-        params, opt_state, losses, _ = out
-        if not fresh:
-            times.append(elapsed)
+        _resume(run, dp, ckpt)
+    result = RunResult(name, [run.first], [task.evaluate(dp, run.params)], [], 0, 0, 0.0, 0.0)
+    bar = progress(total, name, initial=run.first) if progress else None
+    for i, (x, y) in enumerate(task.batches(global_batch, total, cfg.seed, start=run.first),
+                               start=run.first):
+        losses = _advance(run, dp, cfg, i, (run.params, run.opt_state) + dp.batch(x, y))
         result.losses.append(float(local_values(losses).mean()))
         if ckpt is not None and ((i + 1) % save_every == 0 or i + 1 == total):
-            ckpt.save(i + 1, {"params": params, "opt_state": opt_state,
-                              "step": dp.replicate(np.int32(i + 1))},
-                      planner.host_state() if planner is not None else None)
+            _save(run, dp, ckpt, i + 1)
         if (i + 1) % every == 0 or i + 1 == total:
             result.steps.append(i + 1)
-            result.accuracy.append(task.evaluate(dp, params))
+            result.accuracy.append(task.evaluate(dp, run.params))
         if bar is not None:
             bar.update(1)
             bar.set_postfix({"loss": f"{result.losses[-1]:.3f}",
                              task.metric: f"{result.accuracy[-1]:.4f}"}, refresh=False)
     if bar is not None:
         bar.close()
-    if args is None:  # resumed at the end: the step is measured, not run
-        x, y = next(task.batches(global_batch, 1, cfg.seed))
-        args = (params, opt_state) + dp.batch(x, y)
-        if planner is not None and planner.plans is None:
-            step = planner.step(*args)
+    if run.args is None:  # resumed at the end: the step is measured, not run
+        _measure_only(run, dp, next(task.batches(global_batch, 1, cfg.seed)))
+    _measure_wire(result, run.step, run.args, dp.mesh, comm.phased)
+    result.phases = [list(span) for span in schedule]
+    result.memory = dp.memory(run.params, run.opt_state)
+    result.compiles = len(run.compiled)
+    result.step_seconds = statistics.median(run.times) if run.times else float("nan")
+    result.mean_step_seconds = statistics.fmean(run.times) if run.times else float("nan")
+    result.total_seconds = time.perf_counter() - start
+    return result
+
+
+def _start(dp: DataParallel, comm: Communication, cfg, key,
+           optimizer: optax.GradientTransformation) -> _Run:
+    """A run's first state: ``dp``'s parameters placed, the state of the
+    transformation ``comm -> optimizer``, its step, and the entropy
+    quantizer's planner when ``comm`` has one."""
+    tx = dp.transformation(comm, optimizer)
+    planner = (entropy_plan.Planner(dp, comm.entropy, cfg, dp.axis, key, optimizer)
+               if comm.entropy is not None else None)
+    params = dp.place(dp.params)
+    opt_state = dp.init(tx, params)
+    return _Run(params, opt_state, dp.step(tx, opt_state, replicated=comm.replicated), planner)
+
+
+def _resume(run: _Run, dp: DataParallel, ckpt: Checkpoints) -> None:
+    """``run`` continued from the latest checkpoint of ``ckpt`` (and the entropy
+    quantizer's plans saved beside it)."""
+    latest = ckpt.latest_step()
+    restored = ckpt.restore(latest, {
+        "params": run.params, "opt_state": run.opt_state, "step": dp.replicate(np.int32(0))})
+    run.params, run.opt_state = restored["params"], restored["opt_state"]
+    run.first = step_of(restored)
+    saved = ckpt.host_state(latest)
+    if run.planner is not None and saved is not None:
+        run.step = run.planner.resume(saved, run.opt_state)
+
+
+def _advance(run: _Run, dp: DataParallel, cfg, i: int, args: tuple):
+    """Step ``i`` of ``run`` on ``args`` (``params, opt_state, x, y``): the
+    entropy quantizer re-plans every ``cfg.entropy_replan_every`` steps and
+    retries a step whose parameters came out non-finite (a payload over its
+    plan). Records the step's time unless it compiled; returns the losses
+    (one per device)."""
+    run.args = args
+    planner = run.planner
+    if planner is not None and (i % cfg.entropy_replan_every == 0 or planner.plans is None):
+        run.step = planner.step(*args)
+    fresh = run.step not in run.compiled
+    run.compiled.add(run.step)
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(run.step(*args))
+    elapsed = time.perf_counter() - t0
+    if planner is not None and not local_values(out[3]).all():
+        run.step, out = planner.retry(*args)
+        run.compiled.add(run.step)
+        fresh = True
+    run.params, run.opt_state, losses, _ = out
+    if not fresh:
+        run.times.append(elapsed)
+    return losses
+
+
+def _save(run: _Run, dp: DataParallel, ckpt: Checkpoints, step: int) -> None:
+    """A checkpoint of ``run`` after ``step`` steps (with the planner's plans)."""
+    ckpt.save(step, {"params": run.params, "opt_state": run.opt_state,
+                     "step": dp.replicate(np.int32(step))},
+              run.planner.host_state() if run.planner is not None else None)
+
+
+def _measure_only(run: _Run, dp: DataParallel, batch) -> None:
+    """``run.args`` (and the entropy quantizer's first plan) for a run resumed
+    at its last step: the step is measured on ``batch``, not run."""
+    run.args = (run.params, run.opt_state) + dp.batch(*batch)
+    if run.planner is not None and run.planner.plans is None:
+        run.step = run.planner.step(*run.args)
+
+
+def _measure_wire(result: RunResult, step, args: tuple, mesh, phased: bool) -> None:
+    """``result``'s wire bytes, compiled from ``step`` on ``args``: in all, by
+    mesh axis, by collective and by phase (a phased all-reduce's cheapest
+    phase leads, `RunResult`)."""
     most = qc.wire_bytes(step, *args)
-    result.wire_bytes = qc.wire_bytes(step, *args, branches="min") if comm.phased else most
+    result.wire_bytes = qc.wire_bytes(step, *args, branches="min") if phased else most
     result.wire_bytes_max = most
-    branches = "min" if comm.phased else "max"
+    branches = "min" if phased else "max"
     result.wire_bytes_by_axis = {
         ",".join(axes) if isinstance(axes, tuple) else axes: count
-        for axes, count in qc.wire_bytes_by_axis(step, *args, mesh=dp.mesh,
+        for axes, count in qc.wire_bytes_by_axis(step, *args, mesh=mesh,
                                                  branches=branches).items()}
     result.wire_bytes_by_op = {}
     for op in qc.wire_report(step, *args, branches=branches):
         result.wire_bytes_by_op[op.op] = (result.wire_bytes_by_op.get(op.op, 0)
                                           + int(op.bytes_per_call * op.multiplicity))
-    result.wire_bytes_by_phase = qc.wire_bytes_by_phase(step, *args) if comm.phased else {}
-    result.phases = [list(span) for span in schedule]
-    result.memory = dp.memory(params, opt_state)
-    result.compiles = len(compiled)
-    result.step_seconds = statistics.median(times) if times else float("nan")
-    result.mean_step_seconds = statistics.fmean(times) if times else float("nan")
-    result.total_seconds = time.perf_counter() - start
-    return result
+    result.wire_bytes_by_phase = qc.wire_bytes_by_phase(step, *args) if phased else {}
 
 
 def warn_if_never_compressed(name: str, schedule, total: int) -> None:

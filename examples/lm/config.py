@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from common.config import TrainConfig
+from common.config import TrainConfig, flag
 
 
 @dataclasses.dataclass(frozen=True)
 class Config(TrainConfig):
-    """`TrainConfig` plus the transformer's shape, AdamW's schedule and the evaluation.
+    """`TrainConfig` plus the transformer's shape, AdamW's schedule, the corpus and DiLoCo.
 
     Default: a 4 x 128 GPT (4 heads, 128-byte context, tied embeddings,
     842,496 parameters), 8 windows per device, 600 steps of AdamW at
@@ -20,58 +20,64 @@ class Config(TrainConfig):
     devices of a 2-core CPU a step takes about 0.32 s with any of the five
     default compressors, a run about 4 minutes.
 
-    Attributes:
-      width / depth / heads / context: the model (`lm.model.GPT`).
-      tie_embeddings: the output head is the token embedding (transposed).
-      warmup_steps: linear warm-up of the learning rate from 0.
-      weight_decay: AdamW's decoupled weight decay (matrices only).
-      clip_norm: the averaged gradient's global norm is clipped to this.
-      val_windows: validation windows of ``context + 1`` bytes.
-      corpus_dir: ``.py`` files to train on instead of this Python's
-        standard library ("" : the standard library).
-      link_mbit: the rate of each process's link in Mbit/s, for the table's
-        wire floor (``8 * wire bytes / rate``: no step's all-reduce is
-        faster on that link); 0: no such column.
-      diloco_every: H > 0 adds a DiLoCo run (`common.diloco`,
-        `transforms.diloco`) per name of ``outer_compressor``, after the
-        synchronous runs of ``compressors`` (which may then be empty): H
-        inner AdamW steps per worker, then an outer step.
-      outer_compressor: the outer gradients' all-reduce of each DiLoCo run
-        (`common.diloco.OUTER_COMPRESSORS`; ``none``: exact float32).
-      fragments: Streaming DiLoCo's fragments F, synchronised in turn.
-      diloco_delay: inner steps between a fragment's exchange and its
-        application (tau, mixed half and half with the local values).
-      outer_lr / outer_momentum: the outer SGD's step and Nesterov momentum
-        (the paper's 0.7 and 0.9; momentum 0: plain SGD).
-      diloco_sync_first: synchronous data-parallel steps (exact mean, a
-        full all-reduce each) before the first round: the papers start
-        DiLoCo from a synchronously pretrained model.
+    The model is `lm.model.GPT`; the link rate only adds the table's wire
+    floor (``8 * wire bytes / rate``: no step's all-reduce is faster on that
+    link). ``diloco_every`` H > 0 adds a DiLoCo run (`common.diloco`,
+    `transforms.diloco`) per name of ``outer_compressor`` after the
+    synchronous runs of ``compressors`` (which may then be empty).
     """
 
     compressors: tuple[str, ...] = ("none", "qsgd-4", "onebit", "powersgd", "gradiveq")
     optimizer: str = "adamw"
-    learning_rate: float = 3e-3
-    batch_size: int = 8
-    steps: int = 600
+    learning_rate: float = flag(
+        3e-3, "the optimizer's peak step size: linear warm-up from 0, cosine decay to a tenth "
+              "at the last step (finite, > 0)")
+    batch_size: int = flag(
+        8, "text windows (context + 1 bytes each) per device per step; the global batch is "
+           "this times the data-parallel devices")
+    steps: int = flag(
+        600, "training steps per run (0: one pass over the training text, in windows of "
+             "context bytes)")
     eval_every: int = 30
-    width: int = 128
-    depth: int = 4
-    heads: int = 4
-    context: int = 128
-    tie_embeddings: bool = True
-    warmup_steps: int = 30
-    weight_decay: float = 0.1
-    clip_norm: float = 1.0
-    val_windows: int = 256
-    corpus_dir: str = ""
-    link_mbit: float = 0.0
-    diloco_every: int = 0
-    outer_compressor: tuple[str, ...] = ("none",)
-    fragments: int = 1
-    diloco_delay: int = 0
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    diloco_sync_first: int = 0
+    width: int = flag(128, "the model's width: values per byte's embedding")
+    depth: int = flag(4, "transformer blocks")
+    heads: int = flag(4, "attention heads per block (a divisor of --width)")
+    context: int = flag(128, "bytes per training window (the model's context)")
+    tie_embeddings: bool = flag(
+        True, "true: the output head is the token embedding, transposed; false: a separate "
+              "head")
+    warmup_steps: int = flag(30, "steps of linear learning-rate warm-up from 0")
+    weight_decay: float = flag(
+        0.1, "AdamW's decoupled weight decay, on the matrices only (a factor per unit "
+             "learning rate, >= 0)")
+    clip_norm: float = flag(
+        1.0, "the averaged gradient is clipped to this global L2 norm (> 0)")
+    val_windows: int = flag(
+        256, "validation windows of context + 1 bytes, evenly spaced over the validation "
+             "text")
+    corpus_dir: str = flag(
+        "", "folder whose .py files are the corpus (empty: this Python's standard library)")
+    link_mbit: float = flag(
+        0.0, "each process's link rate in Mbit/s, for the table's wire floor (8 x wire bytes "
+             "/ rate, in seconds per step); 0: no such column")
+    diloco_every: int = flag(
+        0, "DiLoCo's H: inner steps per worker between outer steps; above 0 adds a DiLoCo run "
+           "per --outer-compressor after the synchronous runs (0: none)")
+    outer_compressor: tuple[str, ...] = flag(
+        ("none",), "the outer gradients' all-reduce of each DiLoCo run, comma-separated: "
+                   "none (exact float32), bf16, onebit, qsgd-2, qsgd-4, qsgd-8, threshold, "
+                   "adaptive")
+    fragments: int = flag(
+        1, "Streaming DiLoCo's fragments F, synchronised in turn (one every H / F steps)")
+    diloco_delay: int = flag(
+        0, "Streaming DiLoCo's tau: inner steps between a fragment's exchange and its "
+           "application (mixed half and half with the local values)")
+    outer_lr: float = flag(0.7, "the outer SGD's step size (the paper's 0.7)")
+    outer_momentum: float = flag(
+        0.9, "the outer SGD's Nesterov momentum, in [0, 1) (the paper's 0.9; 0: plain SGD)")
+    diloco_sync_first: int = flag(
+        0, "synchronous data-parallel steps (an exact all-reduce each) before DiLoCo's first "
+           "round, as the papers start from a pretrained model")
 
     @property
     def extra_runs(self) -> tuple[str, ...]:
@@ -94,10 +100,6 @@ class Config(TrainConfig):
             raise ValueError(f"warmup_steps and weight_decay must be >= 0 and clip_norm > 0 "
                              f"(finite), "
                              f"got {self.warmup_steps}, {self.weight_decay}, {self.clip_norm}")
-        for name in ("train_examples", "test_examples", "data_dir"):
-            if getattr(self, name):
-                raise ValueError(f"{name} is an MNIST setting; the language model trains on "
-                                 "windows of its corpus (--corpus-dir, --val-windows)")
 
     def _check_diloco(self) -> None:
         if self.diloco_every < 0:

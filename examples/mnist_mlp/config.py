@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 
-from common.config import TrainConfig
+from common.config import MNISTConfig, flag
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(TrainConfig):
-    """`TrainConfig` plus the network's width and depth.
+class Config(MNISTConfig):
+    """`MNISTConfig` plus the network's width and depth.
 
     Dryden et al.: 3 x 4096 hidden units, AdaGrad at 0.005, 4 replicas x 10
     images, 20 epochs. Default here: 3 x 256 hidden units, AdaGrad at 0.03,
     8 devices x 16 images, one epoch (468 steps) per compressor.
     """
 
-    width: int = 256
-    depth: int = 3
+    width: int = flag(256, "hidden units per layer")
+    depth: int = flag(3, "hidden layers")
 
     def __post_init__(self):
         super().__post_init__()

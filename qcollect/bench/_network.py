@@ -1,6 +1,17 @@
-"""Measurements of ``python -m qcollect.bench network`` (runs in every process)."""
+"""Measurements of ``python -m qcollect.bench network`` (runs in every process).
+
+The methods as reducers of one device's buffer, the buffers and meshes of a
+job, the timed table and the probes (``--swap-probe``, ``--message-probe``,
+``--node-probe``), and the physical floors added afterwards. What each
+measures is described in `qcollect.bench.network` and, with the measured
+tables, in docs/multiprocess.md.
+"""
 
 from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +22,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
-from qcollect.bench._timing import interleaved_medians
+from qcollect.bench import _options
+from qcollect.bench._timing import Call, interleaved_medians
 from qcollect.bench.collectives import _pca_for, _structured
 from qcollect.bench.compile import parse_batch_buckets
 
@@ -22,6 +34,8 @@ UNCOMPRESSED = ("psum", "psum-bf16", "ring")
 NODE_AXES = ("node", "local")
 #: Suffix of a method run hierarchically over `NODE_AXES`.
 HIERARCHICAL = "/h"
+#: A function of one device's buffer (or list of leaves) inside ``shard_map``.
+Reducer = Callable[[Any], Any]
 
 
 def transport_only(compressor: qc.Compressor) -> qc.Compressor:
@@ -35,8 +49,8 @@ def transport_only(compressor: qc.Compressor) -> qc.Compressor:
     link: the transport floor.
     """
 
-    def encode(x, key=None, **kwargs):
-        def real(x):
+    def encode(x: jax.Array, key: jax.Array | None = None, **kwargs: Any) -> qc.Payload:
+        def real(x: jax.Array) -> Any:
             return compressor.encode(x, jax.random.key(0), **kwargs).arrays
 
         template = jax.eval_shape(lambda x: compressor.encode(x, jax.random.key(0), **kwargs), x)
@@ -57,7 +71,7 @@ def transport_only(compressor: qc.Compressor) -> qc.Compressor:
             arrays[name] = (values + k).astype(leaf.dtype).reshape(leaf.shape)
         return qc.Payload(arrays, template.shape, template.dtype, "transport/" + compressor.name)
 
-    def decode(payload):
+    def decode(payload: qc.Payload) -> jax.Array:
         # Every word is read (a sum), so that XLA leaves no piece of a
         # transfer unsent as dead code.
         total = sum(jnp.sum(leaf, dtype=jnp.float32) for leaf in jax.tree.leaves(payload.arrays))
@@ -68,7 +82,7 @@ def transport_only(compressor: qc.Compressor) -> qc.Compressor:
                          grouping=compressor.grouping, masks_padding=compressor.masks_padding)
 
 
-def _in_leaves(reduce, leaves: int):
+def _in_leaves(reduce: Reducer, leaves: int) -> Reducer:
     """``reduce`` of ``v`` cut into ``leaves`` equal leaves (a list), the sums
     joined back into one vector."""
     if leaves == 1:
@@ -76,7 +90,7 @@ def _in_leaves(reduce, leaves: int):
     return lambda v: jnp.concatenate(reduce(list(v.reshape(leaves, -1))))
 
 
-def _constant_outputs(closed) -> list[bool]:
+def _constant_outputs(closed: Any) -> list[bool]:
     """For each output of a closed jaxpr (in `jax.tree`'s order of its
     leaves), whether it depends on none of the inputs."""
     jaxpr = closed.jaxpr
@@ -87,32 +101,34 @@ def _constant_outputs(closed) -> list[bool]:
     return [not (isinstance(v, Var) and id(v) in varying) for v in jaxpr.outvars]
 
 
+#: The compressed methods, each one compressor and algorithm (`method_compressor`).
 COMPRESSED = ("cast-bf16", "qsgd-8", "qsgd-4", "onebit", "adaptive", "pca")
 
 
-def method_compressor(method: str, size: int, n: int) -> tuple[qc.Compressor, str]:
+def method_compressor(method: str, size: int, n: int) -> tuple[qc.Compressor, qc.Algorithm]:
     """``(compressor, algorithm)`` of a compressed method of `COMPRESSED` for
     buffers of ``size`` values on ``n`` devices."""
-    compressor, algorithm = {
+    methods: dict[str, tuple[Callable[[], qc.Compressor], qc.Algorithm]] = {
         "cast-bf16": (lambda: qc.cast("bfloat16"), "ring"),
         "qsgd-8": (lambda: qc.qsgd(bits=8), "pairwise"),
         "qsgd-4": (lambda: qc.qsgd(bits=4), "pairwise"),
         "onebit": (lambda: qc.onebit(), "pairwise"),
         "adaptive": (lambda: qc.adaptive(grouping="bucket"), "pairwise"),
         "pca": (lambda: _pca_for(size, n), "ring"),
-    }[method]
+    }
+    compressor, algorithm = methods[method]
     return compressor(), algorithm
 
 
 def _reducer(method: str, size: int, n: int, transport: bool = False, leaves: int = 1,
-             bucket_bytes: int = qc.BUCKET_BYTES):
+             bucket_bytes: int = qc.BUCKET_BYTES) -> Reducer:
     """``v -> estimate of the sum over every device`` for one method: over axis
     ``"d"``, or hierarchically over `NODE_AXES` for ``METHOD/h`` (``transport``:
     the same collectives without the codec, `transport_only`), with ``v`` cut
     into ``leaves`` equal leaves and reduced in buckets of ``bucket_bytes``. A
     suffix ``@B`` sets ``batch_buckets``, then ``:X`` the ``exchange``."""
-    method, colon, exchange = method.partition(":")
-    exchange = exchange if colon else "permute"
+    method, colon, exchange_text = method.partition(":")
+    exchange = _options.exchange(exchange_text if colon else "permute")
     method, at, batch_text = method.partition("@")
     batch = parse_batch_buckets(batch_text) if at else qc.BATCH_BUCKETS
     if method == "psum":
@@ -123,7 +139,7 @@ def _reducer(method: str, size: int, n: int, transport: bool = False, leaves: in
     if method == "ring":
         return _in_leaves(lambda v: qc.ring_all_reduce(
             v, "d", bucket_bytes=bucket_bytes, batch_buckets=batch), leaves)
-    axes = "d"
+    axes: str | tuple[str, ...] = "d"
     if method.endswith(HIERARCHICAL):
         method, axes = method[:-len(HIERARCHICAL)], NODE_AXES
     method, _, pieces = method.partition("/p")
@@ -157,7 +173,7 @@ def variants(methods: list[str], pipelines: list[int], hierarchical: bool = Fals
     return out
 
 
-def _buffers(size: int, mesh) -> jax.Array:
+def _buffers(size: int, mesh: jax.sharding.Mesh) -> jax.Array:
     """``(devices, size)`` float32, gradient-like, a different draw per process,
     split over all of ``mesh``'s axes."""
     local = _structured(size, jax.local_device_count(), seed=1 + jax.process_index())
@@ -165,7 +181,7 @@ def _buffers(size: int, mesh) -> jax.Array:
     return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), np.asarray(local))
 
 
-def meshes():
+def meshes() -> tuple[jax.sharding.Mesh, jax.sharding.Mesh | None]:
     """The one-axis mesh ``"d"`` over every device in process order, and, with
     several devices per process, the same devices as a `NODE_AXES` grid with
     one node per process (else None)."""
@@ -176,7 +192,7 @@ def meshes():
     return flat, jax.sharding.Mesh(devices.reshape(jax.process_count(), -1), NODE_AXES)
 
 
-def process_link_bytes(fn, x, mesh) -> int:
+def process_link_bytes(fn: Callable[..., Any], x: Any, mesh: jax.sharding.Mesh) -> int:
     """Bytes this process sends to other processes per call, on its link.
 
     A collective-permute sends its operand once per source-target pair from
@@ -192,7 +208,7 @@ def process_link_bytes(fn, x, mesh) -> int:
     total = 0.0
     for op in qc.wire_report(fn, x):
         if op.op == "collective-permute":
-            edges = [pair for pair in op.devices if pair[0] != pair[1]]
+            edges = [pair for pair in op.devices or () if pair[0] != pair[1]]
         else:
             groups = op.devices or (tuple(range(len(owner))),)
             edges = [(g[i], g[(i + 1) % len(g)]) for g in groups if len(g) > 1
@@ -202,7 +218,7 @@ def process_link_bytes(fn, x, mesh) -> int:
     return int(round(total))
 
 
-def across_nodes(fn, x, grid) -> int:
+def across_nodes(fn: Callable[..., Any], x: Any, grid: jax.sharding.Mesh) -> int:
     """Bytes per device per call that cross between nodes (collectives over any
     group of devices in more than one node; `qcollect.wire_bytes_by_axis`)."""
     return qc.bytes_along(qc.wire_bytes_by_axis(fn, x, mesh=grid), NODE_AXES[0])
@@ -215,7 +231,7 @@ def _values(mib: float, leaves: int = 1) -> int:
     return max(unit, int(round(mib * MIB / 4 / unit)) * unit)
 
 
-def _mapped(fn, mesh):
+def _mapped(fn: Reducer, mesh: jax.sharding.Mesh) -> Callable[..., jax.Array]:
     """``jit(shard_map)`` of a per-device ``fn`` over rows of an array split
     over all of ``mesh``'s axes."""
     spec = P(tuple(mesh.axis_names))
@@ -224,11 +240,12 @@ def _mapped(fn, mesh):
 
 
 def _local_row(x: jax.Array) -> np.ndarray:
+    """This process's first device's row, in float64."""
     return np.asarray(x.addressable_shards[0].data, np.float64)[0]
 
 
 def measure(sizes_mib: list[float], methods: list[str], repeats: int,
-            leaves: int = 1, bucket_bytes: int = qc.BUCKET_BYTES) -> list[dict] | None:
+            leaves: int = 1, bucket_bytes: int = qc.BUCKET_BYTES) -> list[dict[str, Any]] | None:
     """Times every method at every size (each process's buffer cut into
     ``leaves`` equal leaves, reduced in buckets of ``bucket_bytes``); the rows
     on process 0, None elsewhere."""
@@ -237,7 +254,7 @@ def measure(sizes_mib: list[float], methods: list[str], repeats: int,
         raise ValueError("the network benchmark needs at least 2 devices, got 1")
     mesh, grid = meshes()
     rank0 = jax.process_index() == 0
-    rows = []
+    rows: list[dict[str, Any]] = []
     if rank0:
         layout = "" if grid is None else f" ({jax.process_count()} node x " \
             f"{jax.local_device_count()} local)"
@@ -249,7 +266,8 @@ def measure(sizes_mib: list[float], methods: list[str], repeats: int,
         x = _buffers(size, mesh)
         xg = None if grid is None else _buffers(size, grid)
 
-        def call(m, transport=False, size=size, x=x, xg=xg):
+        def call(m: str, transport: bool = False, size: int = size, x: jax.Array = x,
+                 xg: jax.Array | None = xg) -> Call:
             on_grid = m.partition(":")[0].partition("@")[0].endswith(HIERARCHICAL)
             return (_mapped(_reducer(m, size, n, transport, leaves, bucket_bytes),
                             grid if on_grid else mesh),
@@ -268,7 +286,9 @@ def measure(sizes_mib: list[float], methods: list[str], repeats: int,
         seconds = interleaved_medians(
             {**calls, **{f"{m} transport": call for m, call in moves.items()}}, repeats)
         # With nodes, the bytes that compete for the link are those across nodes.
-        link = wire if grid is None else {m: across_nodes(*calls[m], grid) for m in calls}
+        # The argument tuple ``a`` goes in whole, as one pytree argument.
+        link = wire if grid is None else {m: across_nodes(fn, a, grid)
+                                          for m, (fn, a) in calls.items()}
         for m in methods:
             transport = seconds.get(f"{m} transport", seconds[m])
             row = {"processes": jax.process_count(), "devices": n, "mib": mib,
@@ -277,8 +297,9 @@ def measure(sizes_mib: list[float], methods: list[str], repeats: int,
                    "wire_bytes": wire[m], "wire_vs_psum": link["psum"] / link[m],
                    "transport_ms": 1e3 * transport, "relative_error": errors[m]}
             if grid is not None:
+                fn, a = calls[m]
                 row["across_nodes_bytes"] = link[m]
-                row["link_bytes"] = process_link_bytes(*calls[m], grid)
+                row["link_bytes"] = process_link_bytes(fn, a, grid)
             rows.append(row)
             if rank0:
                 print(table_row(row), flush=True)
@@ -316,13 +337,14 @@ def swap_probe(sizes_mib: list[float], repeats: int) -> str | None:
     return "\n".join(lines) if jax.process_index() == 0 else None
 
 
-def _arrays_per_collective(fn, x) -> str:
+def _arrays_per_collective(fn: Callable[..., Any], x: jax.Array) -> str:
     """The operands of each collective in ``fn``'s compiled program, e.g. ``"34"``
     for one tuple all-reduce of 34 arrays, ``"1+1+1"`` for three single ones."""
     return "+".join(str(op.arrays) for op in qc.wire_report(fn, x))
 
 
-def message_probe(sizes_mib: list[float], repeats: int, leaves=(1, 8, 34, 128)) -> str | None:
+def message_probe(sizes_mib: list[float], repeats: int,
+                  leaves: Sequence[int] = (1, 8, 34, 128)) -> str | None:
     """Times what a step pays per message, not per byte.
 
     For each total size, the buffer cut into ``leaves`` equal arrays and
@@ -341,11 +363,9 @@ def message_probe(sizes_mib: list[float], repeats: int, leaves=(1, 8, 34, 128)) 
     for mib in sizes_mib:
         for k in leaves:
             x = _buffers(_values(mib, k), mesh)
-            fns = {"apart": lambda v, k=k: jnp.concatenate(lax.psum(jnp.split(v, k), "d")),
-                   "packed": lambda v, k=k: jnp.concatenate(qc.fused_psum(jnp.split(v, k), "d"))}
-            lines.append(_probe_row(fns, x, mesh, repeats, f"{mib:g} | {k} (psum)"))
+            lines.append(_probe_row(_split_sums(k), x, mesh, repeats, f"{mib:g} | {k} (psum)"))
         x = _buffers(_values(mib), mesh)
-        fns = {"apart": lambda v: onebit.decode(jax.tree.map(
+        fns: dict[str, Reducer] = {"apart": lambda v: onebit.decode(jax.tree.map(
                    lambda a: lax.ppermute(a, "d", perm), onebit.encode(v))),
                "packed": lambda v: onebit.decode(qc.permute(onebit.encode(v), "d", perm))}
         lines.append(_probe_row(fns, x, mesh, repeats, f"{mib:g} | one-bit payload (ppermute)"))
@@ -354,7 +374,22 @@ def message_probe(sizes_mib: list[float], repeats: int, leaves=(1, 8, 34, 128)) 
     return "\n".join(lines) if jax.process_index() == 0 else None
 
 
-def _probe_row(fns, x, mesh, repeats: int, label: str) -> str:
+def _split_sums(k: int) -> dict[str, Reducer]:
+    """A buffer cut into ``k`` arrays and summed over ``"d"``: ``"apart"`` by one
+    ``lax.psum`` of the list, ``"packed"`` by `qcollect.fused_psum`."""
+
+    def apart(v: jax.Array) -> jax.Array:
+        return jnp.concatenate(lax.psum(jnp.split(v, k), "d"))
+
+    def packed(v: jax.Array) -> jax.Array:
+        return jnp.concatenate(qc.fused_psum(jnp.split(v, k), "d"))
+
+    return {"apart": apart, "packed": packed}
+
+
+def _probe_row(fns: dict[str, Reducer], x: jax.Array, mesh: jax.sharding.Mesh, repeats: int,
+               label: str) -> str:
+    """One row of the message probe: ``fns["apart"]`` beside ``fns["packed"]``."""
     calls = {k: (_mapped(f, mesh), (x,)) for k, f in fns.items()}
     t = interleaved_medians(calls, repeats)
     arrays = " / ".join(_arrays_per_collective(calls[k][0], x) for k in ("apart", "packed"))
@@ -380,11 +415,16 @@ def node_probe(sizes_mib: list[float], repeats: int) -> str | None:
     for mib in sizes_mib:
         size = _values(mib) // local * local
         x = _buffers(size, grid)
-        fns = {"psum_scatter": lambda v: jnp.tile(lax.psum_scatter(
+        shard = size // local
+
+        def all_gather(v: jax.Array, n: int = shard) -> jax.Array:
+            return qc.all_gather_invariant(v[:n], "local")
+
+        fns: dict[str, Reducer] = {"psum_scatter": lambda v: jnp.tile(lax.psum_scatter(
                    v.reshape(local, -1), "local", scatter_dimension=0, tiled=False), local),
                "ring": lambda v: jnp.tile(qc.ring_reduce_scatter(v, "local"), local),
                "psum": lambda v: lax.psum(v, "local"),
-               "all_gather": lambda v, n=size // local: qc.all_gather_invariant(v[:n], "local"),
+               "all_gather": all_gather,
                "node": lambda v: lax.psum(v, "node")}
         t = interleaved_medians({k: (_mapped(f, grid), (x,)) for k, f in fns.items()}, repeats)
         lines.append(f"| {mib:g} | " + " | ".join(f"{1e3 * t[k]:.1f}" for k in fns) + " |")
@@ -393,7 +433,7 @@ def node_probe(sizes_mib: list[float], repeats: int) -> str | None:
     return "\n".join(lines) if jax.process_index() == 0 else None
 
 
-def link_bytes(r: dict) -> int:
+def link_bytes(r: dict[str, Any]) -> int:
     """Bytes a process sends over its link per call: its device's bytes with one
     device per process, else `process_link_bytes`."""
     if r.get("link_bytes") in (None, ""):
@@ -401,7 +441,8 @@ def link_bytes(r: dict) -> int:
     return int(r["link_bytes"])
 
 
-def with_floors(rows: list[dict], unshaped_ms: dict, rate_bits: int) -> list[dict]:
+def with_floors(rows: list[dict[str, Any]], unshaped_ms: dict[tuple[str, str], float],
+                rate_bits: int) -> list[dict[str, Any]]:
     """``rows`` (as read from the CSV) with the physical limits of each.
 
     ``unshaped_ms`` maps ``(mib, method)`` (the CSV's strings) to the median
@@ -421,7 +462,9 @@ def with_floors(rows: list[dict], unshaped_ms: dict, rate_bits: int) -> list[dic
     return out
 
 
-_COLUMNS = [  # (header, alignment, format of the row's value)
+#: A table column: header, alignment, format of the row's value.
+Column = tuple[str, str, Callable[[dict[str, Any]], str]]
+_COLUMNS: list[Column] = [
     ("MiB / process", "---:", lambda r: f"{float(r['mib']):g}"),
     ("method", "---", lambda r: r["method"]),
     ("median ms", "---:", lambda r: f"{float(r['median_ms']):.1f}"),
@@ -441,31 +484,35 @@ _FLOORS = {"of wire ratio", "wire floor ms", "unshaped ms", "efficiency"}
 _NODES = {"across nodes / device", "link bytes / process"}
 
 
-def _columns(floors: bool, nodes: bool = False):
+def _columns(floors: bool, nodes: bool = False) -> list[Column]:
+    """The columns of a table with the floors' and the nodes' columns or without."""
     return [c for c in _COLUMNS if (floors or c[0] not in _FLOORS)
             and (nodes or c[0] not in _NODES)]
 
 
-def _has_nodes(r: dict) -> bool:
+def _has_nodes(r: dict[str, Any]) -> bool:
     return r.get("across_nodes_bytes") not in (None, "")
 
 
 def table_header(floors: bool = False, nodes: bool = False) -> str:
+    """The markdown header and alignment lines of the measured table."""
     cols = _columns(floors, nodes)
     return ("| " + " | ".join(c[0] for c in cols) + " |\n|"
             + "|".join(c[1] for c in cols) + "|")
 
 
-def table_row(r: dict) -> str:
+def table_row(r: dict[str, Any]) -> str:
+    """One row of the measured table (its columns follow the row's fields)."""
     return "| " + " | ".join(c[2](r) for c in _columns("efficiency" in r, _has_nodes(r))) + " |"
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict[str, Any]]) -> str:
+    """The measured table of ``rows`` in markdown."""
     return "\n".join([table_header("efficiency" in rows[0], _has_nodes(rows[0]))]
                      + [table_row(r) for r in rows])
 
 
-def plot(rows: list[dict], path, bandwidth: str) -> bool:
+def plot(rows: list[dict[str, Any]], path: str | os.PathLike[str], bandwidth: str) -> bool:
     """Median time against buffer size per method (log-log); False without matplotlib."""
     try:
         from matplotlib.figure import Figure

@@ -12,12 +12,13 @@ prints (`docs/benchmarks.md`, "Batch or trace").
 
 from __future__ import annotations
 
-import collections
 import gzip
 import json
 import pathlib
 import re
 import tempfile
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 
@@ -29,7 +30,8 @@ def hlo_operations(hlo_text: str) -> set[str]:
     return set(_OPERATION.findall(hlo_text))
 
 
-def op_times(compiled, args, steps: int = 3) -> list[tuple[str, float]]:
+def op_times(compiled: jax.stages.Compiled, args: Sequence[Any], steps: int = 3
+             ) -> list[tuple[str, float]]:
     """``[(operation, ms per step)]``, most first, of ``compiled(*args)``.
 
     Args:
@@ -52,14 +54,15 @@ def op_times(compiled, args, steps: int = 3) -> list[tuple[str, float]]:
             events = json.load(f)
     if isinstance(events, dict):
         events = events.get("traceEvents", [])
-    total: collections.Counter = collections.Counter()
+    total: dict[str, float] = {}
     for event in events:
         if event.get("ph") == "X" and event.get("name") in names:
-            total[event["name"]] += float(event.get("dur", 0.0))
-    return [(name, us / 1e3 / steps) for name, us in total.most_common()]
+            total[event["name"]] = total.get(event["name"], 0) + float(event.get("dur", 0.0))
+    most = sorted(total.items(), key=lambda item: item[1], reverse=True)
+    return [(name, us / 1e3 / steps) for name, us in most]
 
 
-def profile_table(profile, top: int) -> str:
+def profile_table(profile: Sequence[tuple[str, float]], top: int) -> str:
     """The ``top`` operations of `op_times` as a markdown table, with the share
     of all operations' time.
 

@@ -10,12 +10,16 @@ Two tables:
 * timing: `ring_all_reduce` versus `lax.psum` on the same devices, medians of
   interleaved runs. In-process CPU devices share memory and have no network,
   so this measures the ring's overhead, not what compression saves on a wire.
+
+Measured: docs/benchmarks.md, "Collectives".
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +32,7 @@ import qcollect as qc
 from qcollect.bench._timing import interleaved_medians
 
 
-def _pca_for(size: int, n: int):
+def _pca_for(size: int, n: int) -> qc.Compressor:
     """A rank-8 PCA of 64-value slices, fitted on data like the benchmark's."""
     samples = _structured(64 * 256, 16, seed=99)  # 16 other draws of the same process
     fit = qc.pca_fit(samples, slice_size=64, rank=8, slices="all")
@@ -51,7 +55,8 @@ def _structured(size: int, n: int, seed: int = 0) -> jax.Array:
     return (signal + noise) * 1e-3
 
 
-CASES = [
+#: (compressor name, algorithm, compressor for ``(values, devices)``) of each row.
+CASES: list[tuple[str, qc.Algorithm, Callable[[int, int], qc.Compressor]]] = [
     ("identity", "ring", lambda size, n: qc.identity()),
     ("cast-bf16", "ring", lambda size, n: qc.cast("bfloat16")),
     ("qsgd-8", "pairwise", lambda size, n: qc.qsgd(bits=8)),
@@ -65,12 +70,14 @@ CASES = [
 ]
 
 
-def _mesh(n: int):
+def _mesh(n: int) -> jax.sharding.Mesh:
     return jax.make_mesh((n,), ("d",), devices=jax.devices()[:n])
 
 
-def accuracy_table(size: int, sizes: list[int]) -> list[dict]:
-    rows = []
+def accuracy_table(size: int, sizes: list[int]) -> list[dict[str, Any]]:
+    """One row per device count in ``sizes`` and `CASES` entry: wire bytes
+    against ``lax.psum``'s and the relative error of the sum (printed too)."""
+    rows: list[dict[str, Any]] = []
     for n in sizes:
         mesh = _mesh(n)
         sharding = NamedSharding(mesh, P("d"))
@@ -78,7 +85,8 @@ def accuracy_table(size: int, sizes: list[int]) -> list[dict]:
         keys = jax.device_put(jnp.stack([jax.random.key(0)] * n), sharding)
         exact = np.asarray(x, np.float64).sum(0)
 
-        def mapped(fn, mesh=mesh):
+        def mapped(fn: Callable[[jax.Array, jax.Array], jax.Array],
+                   mesh: jax.sharding.Mesh = mesh) -> Callable[..., jax.Array]:
             return jax.shard_map(lambda v, k: fn(v[0], k[0])[None], mesh=mesh,
                                  in_specs=P("d"), out_specs=P("d"))
 
@@ -86,8 +94,12 @@ def accuracy_table(size: int, sizes: list[int]) -> list[dict]:
         psum_bytes = qc.wire_bytes(psum, x, keys)
         for name, algorithm, make in CASES:
             c = make(size, n)
-            fn = mapped(lambda v, k, c=c, a=algorithm: qc.compressed_all_reduce(
-                v, "d", c, k, algorithm=a).value)
+
+            def reduce(v: jax.Array, k: jax.Array, c: qc.Compressor = c,
+                       a: qc.Algorithm = algorithm) -> jax.Array:
+                return qc.compressed_all_reduce(v, "d", c, k, algorithm=a).value
+
+            fn = mapped(reduce)
             estimate = np.asarray(jax.jit(fn)(x, keys), np.float64)[0]
             rows.append({
                 "devices": n, "compressor": name, "algorithm": algorithm,
@@ -101,11 +113,13 @@ def accuracy_table(size: int, sizes: list[int]) -> list[dict]:
     return rows
 
 
-def timing_table(size: int, n: int, repeats: int) -> dict:
+def timing_table(size: int, n: int, repeats: int) -> dict[str, float]:
+    """Median seconds of ``lax.psum`` and `qcollect.ring_all_reduce` of ``size``
+    values on ``n`` devices (the row printed too)."""
     mesh = _mesh(n)
     x = jax.device_put(_structured(size, n), NamedSharding(mesh, P("d")))
 
-    def mapped(fn):
+    def mapped(fn: Callable[[jax.Array], jax.Array]) -> Callable[..., jax.Array]:
         return jax.jit(jax.shard_map(lambda v: fn(v[0])[None], mesh=mesh,
                                      in_specs=P("d"), out_specs=P("d")))
 
@@ -119,6 +133,7 @@ def timing_table(size: int, n: int, repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Prints both tables; 0, or 2 for a bad argument."""
     parser = argparse.ArgumentParser(prog="python -m qcollect.bench collectives",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", type=int, default=1 << 20,

@@ -36,6 +36,8 @@ JAX's one-time start-up); a compile that runs past ``--timeout`` is killed,
 reported as ``> T s``, and the method's larger sizes are skipped::
 
     python -m qcollect.bench compile --params 19,38 --methods psum,qsgd-4 --out compile
+
+Measured: docs/benchmarks.md, "Compile time and program size".
 """
 
 from __future__ import annotations
@@ -52,9 +54,12 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from qcollect.bench._options import parse_batch_buckets
 from qcollect.bench.workload import (
     block_params,
     block_shapes,
@@ -63,12 +68,17 @@ from qcollect.bench.workload import (
     tables,
 )
 
+if TYPE_CHECKING:
+    import jax
+
+    import qcollect as qc
+
 _MARK = "@@qcollect-compile "  # prefix of the worker's result lines on stdout
 _AXIS = "d"
 _WARM_UP_S = 120  # least limit of a worker's start: JAX's import and the tiny warm-up compile
 
 
-def _pca(n: int):
+def _pca(n: int) -> qc.Compressor:
     """GradiVeQ's PCA of 64-value slices at rank 8 (a fixed orthonormal basis and mean).
 
     Only shapes matter to the compiler; the basis is a constant of the program,
@@ -81,7 +91,8 @@ def _pca(n: int):
     return qc.pca(basis, rng.standard_normal(64).astype(np.float32), num_workers=n)
 
 
-def _compressors():
+def _compressors() -> dict[str, Callable[[int], qc.Compressor]]:
+    """Method name -> the compressor for ``n`` devices (imports JAX: workers only)."""
     import qcollect as qc
 
     return {
@@ -104,7 +115,8 @@ DEFAULT_METHODS = ("psum", "qsgd-4", "onebit", "pca")
 DEFAULT_PARAMS = "19,38,76,151,1000"
 
 
-def parse_method(method: str, devices: int = 2):
+def parse_method(method: str, devices: int = 2) -> (
+        tuple[qc.Compressor, qc.Algorithm, qc.BatchBuckets] | tuple[None, None, None]):
     """``(compressor or None, algorithm, batch_buckets)`` of
     ``METHOD[/ALGORITHM][@BATCH]``.
 
@@ -121,42 +133,33 @@ def parse_method(method: str, devices: int = 2):
         or ``ring`` for a compressor that is not linear.
     """
     import qcollect as qc
+    from qcollect.bench import _options
 
     spec, at, batch_text = method.partition("@")
-    name, _, algorithm = spec.partition("/")
+    name, _, algorithm_text = spec.partition("/")
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r} in {method!r}; "
                          f"known: {', '.join(METHODS)}")
     if name == "psum":
-        if algorithm or at:
+        if algorithm_text or at:
             raise ValueError(f"psum takes no algorithm or batch_buckets, got {method!r}")
         return None, None, None
-    batch = qc.BATCH_BUCKETS
+    batch: qc.BatchBuckets = qc.BATCH_BUCKETS
     if at:
         try:
             batch = parse_batch_buckets(batch_text)
         except ValueError:
             raise ValueError(f"batch_buckets in {method!r} must be 'auto', 'always', 'never' "
                              "or an int >= 0") from None
-    algorithm = algorithm or "auto"
-    if algorithm != "auto" and algorithm not in qc.ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r} in {method!r}; "
-                         f"known: {', '.join(qc.ALGORITHMS)}")
+    try:
+        algorithm = _options.algorithm(algorithm_text or "auto")
+    except ValueError:
+        raise ValueError(f"unknown algorithm {algorithm_text!r} in {method!r}; "
+                         f"known: {', '.join(qc.ALGORITHMS)}") from None
     compressor = _compressors()[name](devices)
     if algorithm == "ring" and not compressor.linear:
         raise ValueError(f"{method!r}: the compressed-domain ring needs a linear compressor")
     return compressor, algorithm, batch
-
-
-def parse_batch_buckets(text: str) -> int | str:
-    """A method's ``@B`` suffix as ``batch_buckets``: ``auto``, ``always``,
-    ``never`` or an int >= 0 (`qcollect.runs_batched`)."""
-    if text.isdigit():
-        return int(text)
-    if text not in ("auto", "always", "never"):
-        raise ValueError(f"batch_buckets must be 'auto', 'always', 'never' or an int >= 0, "
-                         f"got {text!r}")
-    return text
 
 
 _HEADER = re.compile(r"(?:ENTRY )?%([\w.\-]+) \(.*\{$")
@@ -176,7 +179,7 @@ def kernel_counts(hlo: str) -> tuple[int, int]:
     code generation pays for; the HLO text prints every fusion's body.
     """
     bodies: dict[str, list[str]] = {}
-    current = None
+    current: list[str] | None = None
     for line in hlo.splitlines():
         if current is None:
             header = _HEADER.match(line)
@@ -209,13 +212,13 @@ def kernel_counts(hlo: str) -> tuple[int, int]:
     return len(fusions), len(set(fusions))
 
 
-def _lower_and_compile(mesh, method: str, blocks: int, width: int, runs: int = 0,
-                       profile: int = 0) -> dict:
+def _lower_and_compile(mesh: jax.sharding.Mesh, method: str, blocks: int, width: int,
+                       runs: int = 0, profile: int = 0) -> dict[str, Any]:
     """Lowers and compiles ``method`` for ``blocks`` blocks on ``mesh``; with
     ``runs``, then also runs it that many times on random gradients (the
     only case where anything is allocated) and adds the median ``step_ms``;
     with ``profile``, also the ``profile`` operations with the most device
-    time (`qcollect.bench._profile.op_times`)."""
+    time (what ``--profile`` prints)."""
     import jax
     from jax import lax
     from jax.sharding import NamedSharding
@@ -224,7 +227,7 @@ def _lower_and_compile(mesh, method: str, blocks: int, width: int, runs: int = 0
     import qcollect as qc
 
     n = mesh.shape[_AXIS]
-    compressor, algorithm, batch = parse_method(method, n)
+    parsed = parse_method(method, n)
     varying = NamedSharding(mesh, P(_AXIS))
     # Each device's own gradient: a leading device axis, sharded, so it is varying.
     tree = {f"block_{b:04d}": {name: jax.ShapeDtypeStruct((n, *shape), np.float32,
@@ -234,10 +237,11 @@ def _lower_and_compile(mesh, method: str, blocks: int, width: int, runs: int = 0
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
                                sharding=NamedSharding(mesh, P()))
 
-    def body(grads, key):
+    def body(grads: Any, key: jax.Array) -> Any:
         grads = jax.tree.map(lambda g: g[0], grads)
-        if compressor is None:
+        if parsed[0] is None:
             return lax.psum(grads, _AXIS)
+        compressor, algorithm, batch = parsed
         return qc.compressed_all_reduce(grads, _AXIS, compressor, key, algorithm=algorithm,
                                         batch_buckets=batch).value
 
@@ -275,7 +279,7 @@ def _lower_and_compile(mesh, method: str, blocks: int, width: int, runs: int = 0
     return record
 
 
-def _worker(spec: dict) -> int:
+def _worker(spec: dict[str, Any]) -> int:
     """Compiles one method for each block count, one result line per count on stdout."""
     import jax
 
@@ -283,7 +287,7 @@ def _worker(spec: dict) -> int:
     mesh = jax.make_mesh((spec["devices"],), (_AXIS,),
                          devices=jax.devices()[:spec["devices"]])
 
-    def emit(record):
+    def emit(record: dict[str, Any]) -> None:
         print(_MARK + json.dumps(record), flush=True)
 
     _lower_and_compile(mesh, spec["method"], 1, 8)  # warm-up: JAX's one-time costs
@@ -297,7 +301,8 @@ def _worker(spec: dict) -> int:
     return 0
 
 
-def _worker_env(devices: int) -> dict:
+def _worker_env(devices: int) -> dict[str, str]:
+    """This environment on the CPU backend with ``devices`` simulated devices."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     flags = [f for f in env.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]
@@ -306,7 +311,8 @@ def _worker_env(devices: int) -> dict:
 
 
 def _run_method(method: str, blocks: list[int], width: int, devices: int, timeout: float,
-                on_result, runs: int = 0, profile: int = 0) -> None:
+                on_result: Callable[[int, dict[str, Any]], None], runs: int = 0,
+                profile: int = 0) -> None:
     """Runs one worker for ``method``; ``on_result(index, record)`` for each block count.
 
     A record is the worker's measurement, ``{"timeout": T}`` for the count
@@ -320,17 +326,19 @@ def _run_method(method: str, blocks: list[int], width: int, devices: int, timeou
         proc = subprocess.Popen([sys.executable, "-m", "qcollect.bench.compile", "--worker", spec],
                                 stdout=subprocess.PIPE, stderr=err, text=True,
                                 env=_worker_env(devices))
-        lines: queue.Queue = queue.Queue()
+        lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        stdout = proc.stdout
+        assert stdout is not None  # stdout=PIPE
 
-        def read():
-            for line in proc.stdout:
+        def read() -> None:
+            for line in stdout:
                 if line.startswith(_MARK):
                     lines.put(json.loads(line[len(_MARK):]))
             lines.put(None)
 
         threading.Thread(target=read, daemon=True).start()
 
-        def next_record(limit=timeout):
+        def next_record(limit: float = timeout) -> tuple[dict[str, Any], bool]:
             try:
                 record = lines.get(timeout=limit)
             except queue.Empty:
@@ -364,7 +372,8 @@ def _run_method(method: str, blocks: list[int], width: int, devices: int, timeou
             proc.wait()
 
 
-def _progress(total: int):
+def _progress(total: int) -> Any:
+    """A tqdm progress bar over ``total`` programs, or None without tqdm."""
     try:
         from tqdm.auto import tqdm
     except ImportError:
@@ -384,7 +393,7 @@ def run(targets: list[float], methods: list[str], width: int, devices: int,
         if bar is not None:
             bar.set_postfix_str(method)
 
-        def on_result(i, record, method=method):
+        def on_result(i: int, record: dict[str, Any], method: str = method) -> None:
             rows.append({"method": method, "blocks": blocks[i],
                          "parameters": blocks[i] * block_params(width),
                          "leaves": blocks[i] * leaves, "width": width, "devices": devices,
@@ -402,6 +411,7 @@ def run(targets: list[float], methods: list[str], width: int, devices: int,
 
 
 def _parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m qcollect.bench compile``."""
     p = argparse.ArgumentParser(prog="python -m qcollect.bench compile",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--params", default=DEFAULT_PARAMS,
@@ -432,6 +442,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Compiles, prints and writes the tables (or, with ``--worker``, is one
+    method's worker); 0, or 2 for a bad argument."""
     parser = _parser()
     args = parser.parse_args(argv)
     if args.worker is not None:

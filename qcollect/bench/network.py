@@ -33,7 +33,7 @@ and gives every row two floors: the wire floor, the bytes each process sends
 over the link rate (``8 * wire bytes / rate``: no program is faster on that
 link), and the unshaped time, what the same compiled program takes when the
 link does not limit it (codec, memory traffic and the collective's own
-overhead; on 4 processes sharing 2 cores, the codec floor). ``efficiency``
+overhead: the codec floor where the processes share few cores). ``efficiency``
 is ``max(wire floor, unshaped) / median``: 1.0 when the transfer and the
 codec overlap perfectly, 0.5 when they run one after the other and are
 equally long. ``of wire ratio`` is the speedup over psum divided by the
@@ -50,7 +50,7 @@ bytes of collectives whose groups span nodes). ``wire vs psum`` then
 compares bytes across nodes. The wire floor is a process's bytes on its
 link over the link rate (``link bytes``: every collective-permute pair
 leaving the process, and for the other collectives the steps of Gloo's ring
-that leave it, `qcollect.bench._network.process_link_bytes`).
+that leave it).
 
 Run it directly (``--bandwidth none`` for an unshaped loopback network, which
 needs no root), or under your own launcher command; it detects a launched
@@ -60,19 +60,23 @@ process and then only measures::
     python -m qcollect.launch --nproc 2 qcollect/bench/network.py --sizes 1,4
 
 ``--node-probe`` (with ``--devices-per-process`` > 1) times, instead, the
-collectives inside a node that the hierarchical all-reduce can use
-(`qcollect.bench._network.node_probe`).
+collectives inside a node that the hierarchical all-reduce can use: XLA's
+``lax.psum_scatter`` against `qcollect.ring_reduce_scatter`, with
+``lax.psum`` and the all-gather for scale.
 
 ``--message-probe`` times, instead, what a collective costs per array it
 carries: a buffer cut into 1 to 128 arrays summed by one ``lax.psum`` of the
 list against `qcollect.fused_psum`, and a one-bit payload sent by one
-``ppermute`` per array against qcollect's `permute`, which packs them
-(`qcollect.bench._network.message_probe`, `qcollect.collectives._messages`).
+``ppermute`` per array against `qcollect.permute`, which packs them into one
+buffer.
 
 ``--swap-probe`` times, instead, a swap of the buffer between devices r and
-r + N/2 in one collective-permute and in the pieces `qcollect.collectives._ring.permute`
-sends across processes on the CPU backend (Gloo moves one large swap at about
-half the link rate).
+r + N/2 in one collective-permute and in the pieces `qcollect.permute` sends
+across processes on the CPU backend.
+
+The measured tables of every mode, each beside its command, are in
+docs/multiprocess.md and docs/benchmarks.md ("Network: the physical limits"
+and the sections after it).
 """
 
 from __future__ import annotations
@@ -83,6 +87,7 @@ import math
 import pathlib
 import subprocess
 import sys
+from typing import Any
 
 import qcollect as qc
 import qcollect.launch
@@ -94,6 +99,7 @@ METHODS = ("psum", "psum-bf16", "ring", "cast-bf16", "qsgd-8", "qsgd-4", "onebit
 
 
 def _parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m qcollect.bench network``."""
     p = argparse.ArgumentParser(prog="python -m qcollect.bench network",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=4, help="processes (default 4)")
@@ -150,7 +156,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _parse(argv) -> argparse.Namespace:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """Parses and checks the command line (lists for the comma-separated
+    options); SystemExit 2 naming a bad argument."""
     parser = _parser()
     args = parser.parse_args(argv)
     try:
@@ -214,6 +222,9 @@ def launch_command(argv: list[str], nproc: int, bandwidth: str,
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Outside a job: launches the benchmark (and the unshaped run of the
+    floors) and returns the launcher's status. In a job: joins it, measures,
+    and writes the results on process 0."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parse(argv)
     if qcollect.launch.job() is None:  # not in a job: start one with the local launcher
@@ -255,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _read(path: pathlib.Path) -> list[dict]:
+def _read(path: pathlib.Path) -> list[dict[str, Any]]:
+    """The rows of ``path.csv``, every value a string."""
     with open(path.with_suffix(".csv"), newline="") as f:
         return list(csv.DictReader(f))
 
@@ -276,7 +288,7 @@ def add_floors(out: pathlib.Path, unshaped: pathlib.Path, rate_bits: int) -> Non
           f"(floors from {unshaped.with_suffix('.csv')})", flush=True)
 
 
-def write(rows: list[dict], out: pathlib.Path, bandwidth: str | None) -> None:
+def write(rows: list[dict[str, Any]], out: pathlib.Path, bandwidth: str | None) -> None:
     """``out.csv`` (every row), ``out.md`` (the table) and ``out.png`` (time vs size)."""
     from qcollect.bench import _network
 

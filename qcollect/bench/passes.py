@@ -31,6 +31,8 @@ Examples::
 
     python -m qcollect.bench passes
     python -m qcollect.bench passes --methods onebit,qsgd-4 --exchange permute,all_to_all
+
+Measured: docs/benchmarks.md, "Passes: the memory traffic of each all-reduce".
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -46,19 +50,26 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
+from qcollect.bench import _options
 from qcollect.bench._network import COMPRESSED, method_compressor
-from qcollect.bench._timing import interleaved_medians
+from qcollect.bench._timing import Call, interleaved_medians
 from qcollect.bench.collectives import _structured
 
 METHODS = ("psum",) + COMPRESSED
-PATHS = ("collective", "transform")
+#: How a method's step runs: the bare collective, or the optax transform.
+StepPath = Literal["collective", "transform"]
+PATHS: tuple[StepPath, ...] = get_args(StepPath)
+#: Compiles a function of ``count`` arrays (`stream_calls`).
+Wrap = Callable[[Callable[..., Any], int], Callable[..., Any]]
 
 
-def _mesh(n: int):
+def _mesh(n: int) -> jax.sharding.Mesh:
+    """The one-axis mesh ``"d"`` of the first ``n`` devices."""
     return jax.make_mesh((n,), ("d",), devices=jax.devices()[:n])
 
 
-def _per_device(fn, mesh, count: int = 1):
+def _per_device(fn: Callable[..., jax.Array], mesh: jax.sharding.Mesh, count: int = 1
+                ) -> Callable[..., jax.Array]:
     """``jit(shard_map)`` of ``fn`` over ``count`` arrays of rows, one row per device."""
     body = lambda *vs: fn(*(v[0] for v in vs))[None]  # noqa: E731
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("d"),) * count,
@@ -66,24 +77,36 @@ def _per_device(fn, mesh, count: int = 1):
 
 
 #: STREAM-style kernels: name -> (function of two arrays, how many it reads).
-STREAM = {
+STREAM: dict[str, tuple[Callable[[jax.Array, jax.Array], jax.Array], int]] = {
     "read": (lambda a, b: jnp.sum(a.reshape(-1, 1024), axis=1), 1),
     "copy": (lambda a, b: a + 1.0, 1),
     "triad": (lambda a, b: a + 1.5 * b, 2),
 }
 
 
-def stream_calls(a, b, wrap=lambda fn, count: jax.jit(fn)) -> dict:
+def _jit(fn: Callable[..., Any], count: int) -> Callable[..., Any]:
+    """`stream_calls`' default ``wrap``: ``jax.jit(fn)``, whatever ``count``."""
+    return jax.jit(fn)
+
+
+def _first_only(fn: Callable[[jax.Array, jax.Array], jax.Array]
+                ) -> Callable[[jax.Array], jax.Array]:
+    """``fn`` of one array (a kernel that reads one array ignores the second)."""
+    return lambda a: fn(a, None)
+
+
+def stream_calls(a: jax.Array, b: jax.Array, wrap: Wrap = _jit) -> dict[str, Call]:
     """The `STREAM` kernels on ``a`` (and ``b``) as `interleaved_medians`
     calls, each function of ``count`` arrays compiled by ``wrap(fn, count)``."""
     calls = {}
     for name, (fn, count) in STREAM.items():
-        kernel = fn if count == 2 else (lambda a, fn=fn: fn(a, None))
+        kernel = fn if count == 2 else _first_only(fn)
         calls[f"stream {name}"] = (wrap(kernel, count), (a, b)[:count])
     return calls
 
 
-def bandwidths(calls: dict, seconds: dict, devices: int = 1) -> dict:
+def bandwidths(calls: dict[str, Call], seconds: dict[str, float], devices: int = 1
+               ) -> dict[str, float]:
     """Bytes per second of each `stream_calls` kernel (its compiled bytes
     times ``devices``, over its median), and ``"best"``, the fastest."""
     rates = {name.removeprefix("stream "): devices * qc.memory_bytes(fn, *args) / seconds[name]
@@ -91,7 +114,7 @@ def bandwidths(calls: dict, seconds: dict, devices: int = 1) -> dict:
     return {**rates, "best": max(rates.values())}
 
 
-def stream(values: int, n: int, repeats: int) -> dict:
+def stream(values: int, n: int, repeats: int) -> dict[str, float]:
     """`bandwidths` of the STREAM kernels run on every device at once."""
     mesh = _mesh(n)
     a, b = (jax.device_put(jnp.full((n, values), v, jnp.float32), NamedSharding(mesh, P("d")))
@@ -101,7 +124,8 @@ def stream(values: int, n: int, repeats: int) -> dict:
     return bandwidths(calls, interleaved_medians(calls, repeats), n)
 
 
-def _step(method: str, path: str, grads, mesh, exchange: str):
+def _step(method: str, path: StepPath, grads: jax.Array, mesh: jax.sharding.Mesh,
+          exchange: qc.Exchange) -> Call:
     """``(jitted step, its arguments)``: one device's gradient all-reduced by
     ``method``, as the bare collective or as the transform (whose new state
     is an output, so that its residuals are computed)."""
@@ -121,7 +145,7 @@ def _step(method: str, path: str, grads, mesh, exchange: str):
     state = transforms.init_sharded(tx, jnp.zeros(values, jnp.float32), mesh, "d")
     specs = transforms.state_specs(state, "d")
 
-    def update(g, s):
+    def update(g: jax.Array, s: Any) -> tuple[jax.Array, Any]:
         updates, s = tx.update(g[0], s)
         return updates[None], s
 
@@ -129,16 +153,19 @@ def _step(method: str, path: str, grads, mesh, exchange: str):
                                  out_specs=(P("d"), specs))), (grads, state)
 
 
-def measure(values: int, n: int, methods, paths, exchanges, repeats: int,
-            bandwidth: float) -> list[dict]:
+def measure(values: int, n: int, methods: Sequence[str], paths: Sequence[StepPath],
+            exchanges: Sequence[qc.Exchange], repeats: int, bandwidth: float
+            ) -> list[dict[str, Any]]:
     """One row per method, path and exchange (``psum`` once)."""
+    collective: tuple[StepPath] = ("collective",)
+    permute: tuple[qc.Exchange] = ("permute",)
     mesh = _mesh(n)
     grads = jax.device_put(_structured(values, n), NamedSharding(mesh, P("d")))
     chunk = 4 * values / n
     calls, meta = {}, {}
     for method in methods:
-        for path in (("collective",) if method == "psum" else paths):
-            for exchange in (("permute",) if method == "psum" else exchanges):
+        for path in (collective if method == "psum" else paths):
+            for exchange in (permute if method == "psum" else exchanges):
                 label = method if method == "psum" else f"{method} {path} {exchange}"
                 calls[label] = _step(method, path, grads, mesh, exchange)
                 meta[label] = (method, path, exchange)
@@ -166,13 +193,15 @@ HEADER = ("| method | path | exchange | gradient-sized passes | traffic / gradie
           "| memory floor ms | measured ms | efficiency |\n|---|---|---|---:|---:|---:|---:|---:|")
 
 
-def row_text(r: dict) -> str:
+def row_text(r: dict[str, Any]) -> str:
+    """One row of the table."""
     return (f"| {r['method']} | {r['path']} | {r['exchange']} | {r['passes']} "
             f"| {r['traffic_gradients']:.2f} | {r['floor_ms']:.2f} | {r['median_ms']:.2f} "
             f"| {r['efficiency']:.2f} |")
 
 
-def kernel_text(r: dict, values: int) -> str:
+def kernel_text(r: dict[str, Any], values: int) -> str:
+    """The gradient-sized kernels of one row, their bytes in gradients."""
     lines = [f"\n{r['method']} {r['path']} {r['exchange']}:"]
     for k in r["kernels"]:
         times = f" x{k['multiplicity']}" if k["multiplicity"] > 1 else ""
@@ -182,6 +211,7 @@ def kernel_text(r: dict, values: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Measures and prints the table; 0, or 2 for a bad argument."""
     parser = argparse.ArgumentParser(prog="python -m qcollect.bench passes",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--values", type=int, default=1 << 22,
@@ -200,11 +230,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     split = lambda text: [v.strip() for v in text.split(",") if v.strip()]  # noqa: E731
-    methods, paths, exchanges = split(args.methods), split(args.paths), split(args.exchange)
-    for flag, got, allowed in (("--methods", methods, METHODS), ("--paths", paths, PATHS),
-                               ("--exchange", exchanges, qc.EXCHANGES)):
+    methods, path_names, exchange_names = (split(args.methods), split(args.paths),
+                                           split(args.exchange))
+    for flag, got, allowed in (("--methods", methods, METHODS), ("--paths", path_names, PATHS),
+                               ("--exchange", exchange_names, qc.EXCHANGES)):
         if not got or set(got) - set(allowed):
             parser.error(f"{flag} must name some of {', '.join(allowed)}, got {got}")
+    paths = [_options.choose("--paths", name, PATHS) for name in path_names]
+    exchanges = [_options.exchange(name) for name in exchange_names]
     if args.values < 64 or args.values % 64:
         parser.error("--values must be a positive multiple of 64")
     if args.devices < 2 or args.repeats < 1:

@@ -22,6 +22,8 @@ each compressor reports:
   decode)``: 1.0 when the codec moves its bytes at that rate. Caches and
   bounds of loops that XLA cannot know make it an estimate, not a bound,
   for the compressors that loop (threshold, adaptive, entropy).
+
+Measured: docs/benchmarks.md, "Quantizers".
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,36 +41,39 @@ import qcollect as qc
 from qcollect.bench._timing import interleaved_medians
 from qcollect.bench.passes import bandwidths, stream_calls
 
+#: Builds a compressor for the benchmark's array (some fit or plan on it).
+Make = Callable[[jax.Array], qc.Compressor]
 
-def _tau_leaving(x, fraction: float) -> float:
+
+def _tau_leaving(x: jax.Array, fraction: float) -> float:
     """Strom's tau chosen to leave ``fraction`` of the values (Dryden Fig. 2: 1/32)."""
     return float(jnp.quantile(jnp.abs(x.reshape(-1)[::97]), 1.0 - fraction))
 
 
-def _entropy_planned(x):
+def _entropy_planned(x: jax.Array) -> qc.Compressor:
     """Oland & Raj with the plan for ``x`` (compiled once per plan, as in training)."""
     c = qc.entropy(floor=5)
     return c.with_plan(jax.tree.map(int, c.plan(x, jax.random.key(1))))
 
 
-def _pca_fitted(x):
+def _pca_fitted(x: jax.Array) -> qc.Compressor:
     """GradiVeQ, K = 64, d = 8, fitted on every slice of ``x`` (an upper bound on fit quality)."""
     fit = qc.pca_fit(x.reshape(1, -1), slice_size=64, rank=8, slices="all")
     return qc.pca(fit.basis, fit.mean, num_workers=1)
 
 
-def _powersgd_round(rank: int):
+def _powersgd_round(rank: int) -> Make:
     """One worker's PowerSGD round (Vogels et al. Alg. 1): send P = M Q and Q' = M^T P."""
 
-    def make(x):
+    def make(x: jax.Array) -> qc.Compressor:
         q0 = qc.powersgd_init(jax.random.key(2), x.shape, rank)
 
-        def encode(m, key=None):
+        def encode(m: jax.Array, key: jax.Array | None = None) -> qc.Payload:
             p = qc.orthogonalize(qc.powersgd_p(qc.powersgd_matrix(m), q0))
             q = qc.powersgd_q(qc.powersgd_matrix(m), p)
             return qc.Payload({"p": p, "q": q}, tuple(m.shape), m.dtype, "powersgd-round")
 
-        def decode(payload):
+        def decode(payload: qc.Payload) -> jax.Array:
             m = qc.powersgd_reconstruct(payload["p"], payload["q"])
             return m.reshape(payload.shape).astype(payload.dtype)
 
@@ -75,14 +82,14 @@ def _powersgd_round(rank: int):
     return make
 
 
-def _collective_layout(make, n: int = 4):
+def _collective_layout(make: Make, n: int = 4) -> Make:
     """The codec as `qcollect.compressed_all_reduce` runs it on ``n`` devices
     (`qcollect.collective_codec`): side by side with the plain rows this is
     what the layout costs."""
     return lambda x: qc.collective_codec(make(x), x, n)
 
 
-COMPRESSORS = {
+COMPRESSORS: dict[str, Make] = {
     "identity": lambda x: qc.identity(),
     "cast-bf16": lambda x: qc.cast("bfloat16"),
     "cast-fp16": lambda x: qc.cast("float16"),
@@ -125,7 +132,9 @@ def gradient_like(size: int, seed: int = 0) -> jax.Array:
     return jax.random.normal(k2, (size // cols, cols)) * scales * 1e-3
 
 
-def run(size: int, repeats: int, names: list[str]) -> list[dict]:
+def run(size: int, repeats: int, names: list[str]) -> list[dict[str, Any]]:
+    """One row per compressor of ``names`` on a `gradient_like` array of
+    ``size`` values, printed as it is measured."""
     x = gradient_like(size)
     key = jax.random.key(1)
     norm = float(jnp.linalg.norm(x))
@@ -176,7 +185,7 @@ HEADER = ("| compressor | wire bits/elem | rel. error | encode ms | decode ms "
           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
-def _format_row(r: dict) -> str:
+def _format_row(r: dict[str, Any]) -> str:
     return (f"| {r['compressor']} | {r['bits_per_element']:.3f} | {r['relative_error']:.4f} "
             f"| {r['encode_ms']:.1f} | {r['decode_ms']:.1f} | {r['pass_ms']:.1f} "
             f"| {r['passes_ratio']:.2f} | {r['round_trip_passes']:.2f} "
@@ -185,6 +194,7 @@ def _format_row(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Measures and prints the table; 0, or 2 for a bad argument."""
     parser = argparse.ArgumentParser(prog="python -m qcollect.bench quantizers",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", type=int, default=16 * 1024 * 1024,

@@ -11,12 +11,16 @@ reduced in the tree, and the same for the large layer. Equal columns mean the
 layer is coded as the paper codes one layer, whatever else is in the tree.
 
     python -m qcollect.bench structure [--devices 4]
+
+Measured: docs/benchmarks.md, "Collectives".
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -25,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
 
-COMPRESSORS = {
+COMPRESSORS: dict[str, Callable[[], qc.Compressor]] = {
     "onebit (column)": lambda: qc.onebit(grouping="column"),
     "onebit (bucket 64)": lambda: qc.onebit(),
     "adaptive (pi 64, column)": lambda: qc.adaptive(64),
@@ -37,14 +41,15 @@ COMPRESSORS = {
 SMALL, LARGE = ((512, 128), 1e-3), ((128, 128), 1.0)
 
 
-def _errors(compressor, n: int, seed: int = 0) -> dict[str, float]:
+def _errors(compressor: qc.Compressor, n: int, seed: int = 0) -> dict[str, float]:
+    """The four relative errors of the table's row for ``compressor`` on ``n`` devices."""
     mesh = jax.make_mesh((n,), ("d",), devices=jax.devices()[:n])
     keys = jax.random.split(jax.random.key(seed), 2)
     tree = [scale * jax.random.normal(k, (n,) + shape)
             for k, (shape, scale) in zip(keys, (SMALL, LARGE), strict=True)]
 
-    def body(small, large):
-        def reduce(t):
+    def body(small: jax.Array, large: jax.Array) -> list[jax.Array]:
+        def reduce(t: Any) -> Any:
             return qc.compressed_all_reduce(t, "d", compressor, jax.random.key(1)).value
         small, large = small[0], large[0]
         together = reduce([small, large])
@@ -54,7 +59,7 @@ def _errors(compressor, n: int, seed: int = 0) -> dict[str, float]:
     outs = [np.asarray(o)[0] for o in fn(*jax.device_put(tree, NamedSharding(mesh, P("d"))))]
     sums = [np.asarray(t, np.float64).sum(0) for t in tree]
 
-    def rel(estimate, total):
+    def rel(estimate: np.ndarray, total: np.ndarray) -> float:
         return float(np.linalg.norm(estimate - total) / np.linalg.norm(total))
 
     return {"small alone": rel(outs[0], sums[0]), "small in tree": rel(outs[2], sums[0]),
@@ -62,6 +67,7 @@ def _errors(compressor, n: int, seed: int = 0) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Prints the table; 0, or 2 for a bad argument."""
     parser = argparse.ArgumentParser(prog="python -m qcollect.bench structure",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices", type=int, default=4)

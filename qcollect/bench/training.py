@@ -1,64 +1,92 @@
-"""The training gate: real models trained with every compressor, verdict per row.
+"""The training gate, a checkout command: real models trained with every compressor.
 
-``python -m qcollect.bench training`` trains the MNIST MLP at width 2048
-(depth 3, 300 steps) and the small CNN of ``examples/`` (1200 steps) on 4
-simulated CPU devices (``QCOLLECT_DEVICES``), once per compressor of the
-examples (``none``, ``bf16``, ``onebit``, ``onebit-column``, ``threshold``,
-``adaptive``, ``qsgd-2``, ``qsgd-4``, ``qsgd-8``, ``entropy``,
-``powersgd``, ``gradiveq``), every run from the same initialisation and
-with the same batches. Per (model, compressor) it measures whether every
-step's loss was finite, the final loss (mean of the last 10% of the steps,
-at least 10) and test accuracy against the uncompressed run ``none``, the
-median step time against ``none``'s in the same run and against that ratio
-in a stored baseline, and the wire bytes per step and device. A row passes
-when its final loss is at most 1.1 times ``none``'s; above that, ``threshold``
-and ``entropy`` are only reported, a row whose baseline missed the target
-too is a known ``gap`` while it is no more than 1.1 times the baseline's
-ratio, and every other row fails, as does any non-finite loss. A step-time
-ratio more than 1.25 times the baseline's is flagged ``slower`` (a failure
-with ``--fail-on-time``). The exit status is 1 when a row fails.
+``python -m qcollect.bench training`` trains the MNIST MLP at width 2048 and
+the small CNN of ``examples/`` on simulated CPU devices, once per compressor
+of the examples, every run from the same initialisation and on the same
+batches, and gives a verdict per (model, compressor) row: whether every
+step's loss was finite, the final loss and test accuracy against the
+uncompressed run ``none``, the step time against ``none``'s and against a
+stored baseline, and the wire bytes. The exit status is 1 when a row fails.
+What it trains and how each row is judged: docs/benchmarks.md, "The training
+gate".
 
     python -m qcollect.bench training                          # the full gate
     python -m qcollect.bench training --out examples/results   # ... and the new baseline
     python -m qcollect.bench training --quick                  # the test suite's preset
     python -m qcollect.bench training --help
 
-The gate trains Flax models with optax, which `qcollect` itself never
-imports: it lives in ``examples/training_gate.py`` of a repository checkout,
-and this module only finds that folder beside the installed package and
-runs it.
+It is a command of a repository checkout, not of the installed package: the
+gate trains Flax models with optax, which `qcollect` itself never imports,
+so its code lives in ``examples/training_gate.py`` of the checkout, and this
+module only finds that folder and runs it. The folder is
+
+1. the one ``$QCOLLECT_EXAMPLES`` names, when it is set (a package installed
+   without ``-e``, used beside a checkout); else
+2. ``examples/`` beside the package's own folder: the checkout's, when the
+   package is installed from it in editable mode (``pip install -e
+   ".[examples]"``).
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 
 GATE = "training_gate.py"
+#: The environment variable naming the ``examples/`` folder of a checkout.
+EXAMPLES_ENV = "QCOLLECT_EXAMPLES"
+#: What ``--help`` says before the gate's own options.
+CHECKOUT_NOTE = (
+    "python -m qcollect.bench training is a checkout command: it runs\n"
+    f"examples/{GATE} of the repository checkout qcollect is installed from\n"
+    "(pip install -e \".[examples]\"), or of the examples/ folder that\n"
+    f"${EXAMPLES_ENV} names.\n")
 
 
 def examples_dir() -> pathlib.Path:
-    """The ``examples/`` folder of the checkout this package runs from.
+    """The ``examples/`` folder whose training gate runs.
+
+    ``$QCOLLECT_EXAMPLES`` when set, else the ``examples/`` folder beside the
+    package's own folder (the checkout's, in an editable install).
 
     Raises:
-      FileNotFoundError: ``qcollect`` is not installed from a checkout (the
-        folder or its ``training_gate.py`` is missing).
+      FileNotFoundError: the folder or its ``training_gate.py`` is missing;
+        the message says how to provide one (an editable install of a
+        checkout, or ``$QCOLLECT_EXAMPLES``).
 
     Example:
       >>> (examples_dir() / GATE).is_file()  # doctest: +SKIP
       True
     """
+    named = os.environ.get(EXAMPLES_ENV)
+    if named:
+        folder = pathlib.Path(named).expanduser().resolve()
+        if not (folder / GATE).is_file():
+            raise FileNotFoundError(
+                f"{EXAMPLES_ENV}={named} names {folder}, which has no {GATE}: set it to the "
+                "examples/ folder of a repository checkout, or unset it and install the "
+                "checkout with `pip install -e \".[examples]\"`")
+        return folder
     folder = pathlib.Path(__file__).resolve().parents[2] / "examples"
     if not (folder / GATE).is_file():
         raise FileNotFoundError(
             f"the training gate needs the repository's examples/ folder ({folder / GATE} is "
             "missing): run it from a repository checkout installed with "
-            "`pip install -e \".[examples]\"`")
+            "`pip install -e \".[examples]\"`, or set "
+            f"{EXAMPLES_ENV} to the examples/ folder of a checkout")
     return folder
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs ``examples/training_gate.py`` with ``argv``; its exit status (2: no checkout)."""
+    """Runs ``examples/training_gate.py`` with ``argv``; its exit status (2: no checkout).
+
+    With ``-h`` or ``--help`` it first says that this is a checkout command,
+    then the gate prints its options.
+    """
+    args = sys.argv[1:] if argv is None else argv
+    if "-h" in args or "--help" in args:
+        print(CHECKOUT_NOTE, flush=True)
     try:
         folder = examples_dir()
     except FileNotFoundError as err:
@@ -68,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, str(folder))
     import training_gate  # sets the simulated CPU devices before JAX starts
 
-    return training_gate.main(argv)
+    status: int = training_gate.main(argv)
+    return status
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ Coding = Literal["words", "golomb_rice"]
 MAX_RICE_K = 30
 
 
-def check_coding(coding: str, rice_k) -> int | None:
+def check_coding(coding: Coding, rice_k: int | None) -> int | None:
     """Validates ``coding`` and ``rice_k`` (None: automatic, else 0..30, golomb only)."""
     check_choice("coding", coding, CODINGS)
     rice_k = check_int("rice_k", rice_k, low=0, high=MAX_RICE_K, allow_none=True)
@@ -129,7 +129,8 @@ def rice_decode(stream: jax.Array, count: jax.Array, size: int, capacity: int,
     return jnp.where(slot < count, idx.astype(jnp.int32), EMPTY_INDEX)
 
 
-def encode_entries(coding: str, idx, count, positive, size: int, k: int | None) -> dict:
+def encode_entries(coding: Coding, idx: jax.Array, count: jax.Array, positive: jax.Array,
+                   size: int, k: int | None) -> dict[str, jax.Array]:
     """Wire arrays of the sent entries: ``{"words"}`` or ``{"stream", "signs"}``."""
     if coding == "words":
         return {"words": to_words(idx, positive)}
@@ -138,8 +139,8 @@ def encode_entries(coding: str, idx, count, positive, size: int, k: int | None) 
     return {"stream": rice_encode(idx, count, size, k), "signs": pack_bits(positive, 1)}
 
 
-def decode_entries(coding: str, arrays: dict, count, size: int, capacity: int,
-                   k: int | None):
+def decode_entries(coding: Coding, arrays: dict[str, jax.Array], count: jax.Array, size: int,
+                   capacity: int, k: int | None) -> tuple[jax.Array, jax.Array]:
     """Inverse of `encode_entries`: ``(idx, positive)``, ``EMPTY_INDEX`` in empty slots.
 
     Only the first ``count`` slots (from the header) are read, so an all-zero

@@ -25,6 +25,8 @@ every array shape is fixed by the alphabet size and the element count alone:
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -83,7 +85,7 @@ def code_lengths(counts: jax.Array, max_len: int = MAX_CODE_LENGTH) -> jax.Array
     pad = jnp.full((k,), _BIG, jnp.int32)
     zero = jnp.zeros(1, jnp.int32)
 
-    def merge_level(items, _):
+    def merge_level(items: jax.Array, _: Any) -> tuple[jax.Array, jax.Array]:
         packages = jnp.minimum(items[0::2] + items[1::2], _BIG)
         merged = jnp.concatenate([leaves, packages])
         pick = jnp.argsort(merged, stable=True)  # leaves first on ties
@@ -97,7 +99,8 @@ def code_lengths(counts: jax.Array, max_len: int = MAX_CODE_LENGTH) -> jax.Array
     cums = jnp.concatenate([deepest[None], cums])
     rank = jnp.arange(k, dtype=jnp.int32)
 
-    def select_level(take, cum):  # level 1 (shallowest) down to max_len
+    def select_level(take: jax.Array, cum: jax.Array) -> tuple[jax.Array, jax.Array]:
+        # level 1 (shallowest) down to max_len
         leaves_taken = cum[take]
         return 2 * (take - leaves_taken), (rank < leaves_taken).astype(jnp.int32)
 
@@ -109,7 +112,8 @@ def code_lengths(counts: jax.Array, max_len: int = MAX_CODE_LENGTH) -> jax.Array
     return lengths.astype(jnp.uint32)
 
 
-def _canonical_order(lengths: jax.Array, max_len: int):
+def _canonical_order(lengths: jax.Array,
+                     max_len: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Symbols sorted by (length, symbol), unused last, and their left-justified codes."""
     lengths = lengths.astype(jnp.int32)
     rank_key = jnp.where(lengths > 0, lengths, max_len + 1)
@@ -165,7 +169,8 @@ def decode_table(lengths: jax.Array, max_len: int = MAX_CODE_LENGTH) -> jax.Arra
     return order[hit].astype(jnp.int32) * 32 + length
 
 
-def write_codes(codes: jax.Array, lengths: jax.Array, words: int):
+def write_codes(codes: jax.Array, lengths: jax.Array,
+                words: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Concatenates variable-length codes into a ``(words,)`` uint32 stream.
 
     Args:
@@ -205,7 +210,7 @@ def _window(stream: jax.Array, pos: jax.Array) -> jax.Array:
     return (first << shift) | tail
 
 
-def read_fixed(stream: jax.Array, bits, count: int) -> jax.Array:
+def read_fixed(stream: jax.Array, bits: jax.Array | int, count: int) -> jax.Array:
     """Reads ``count`` fixed-width codes of ``bits`` (<= 32, may be traced) bits."""
     pos = lax.iota(jnp.uint32, count) * jnp.asarray(bits, jnp.uint32)
     stream = jnp.concatenate([stream, jnp.zeros(1, jnp.uint32)])
@@ -233,7 +238,7 @@ def read_codes(stream: jax.Array, starts: jax.Array, table: jax.Array, count: in
     stream = jnp.concatenate([stream, jnp.zeros(1, jnp.uint32)])
     drop = jnp.uint32(32 - max_len)
 
-    def step(pos, _):
+    def step(pos: jax.Array, _: Any) -> tuple[jax.Array, jax.Array]:
         entry = table[_window(stream, pos) >> drop]
         return pos + (entry & 31).astype(jnp.uint32), entry >> 5
 

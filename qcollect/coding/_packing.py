@@ -9,6 +9,8 @@ through this module, so a 1-bit payload really is 8 codes per byte.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,13 +23,13 @@ CODE_BITS = (1, 2, 4, 8, 16)
 WORD_DTYPES = {"uint8": jnp.uint8, "uint32": jnp.uint32}
 
 
-def _word_bits(word_dtype) -> int:
+def _word_bits(word_dtype: Any) -> int:
     name = np.dtype(word_dtype).name
     check_choice("word_dtype", name, tuple(WORD_DTYPES))
     return np.dtype(word_dtype).itemsize * 8
 
 
-def _per_word(bits: int, word_dtype) -> int:
+def _per_word(bits: int, word_dtype: Any) -> int:
     check_choice("bits", bits, CODE_BITS)
     word_bits = _word_bits(word_dtype)
     if bits > word_bits:
@@ -35,14 +37,37 @@ def _per_word(bits: int, word_dtype) -> int:
     return word_bits // bits
 
 
-def packed_words(length: int, bits: int, word_dtype=jnp.uint32) -> int:
-    """Number of words that hold ``length`` codes of ``bits`` bits each."""
+def packed_words(length: int, bits: int, word_dtype: Any = jnp.uint32) -> int:
+    """Number of words that hold ``length`` codes of ``bits`` bits each.
+
+    Static: the size of a packed array is known before anything is packed,
+    so payload shapes never depend on data.
+
+    Args:
+      length: number of codes.
+      bits: code width, one of 1, 2, 4, 8, 16.
+      word_dtype: ``jnp.uint8`` or ``jnp.uint32``.
+
+    Returns:
+      ``ceil(length / (word_bits // bits))``.
+
+    Raises:
+      ValueError: another ``bits`` or ``word_dtype``, or codes wider than a word.
+
+    Example:
+      >>> import jax.numpy as jnp, qcollect as qc
+      >>> qc.packed_words(1000, 4), qc.packed_words(5, 2, jnp.uint8)
+      (125, 2)
+    """
     per_word = _per_word(bits, word_dtype)
     return -(-length // per_word)
 
 
-def pack_bits(codes: jax.Array, bits: int, word_dtype=jnp.uint32) -> jax.Array:
+def pack_bits(codes: jax.Array, bits: int, word_dtype: Any = jnp.uint32) -> jax.Array:
     """Packs unsigned ``bits``-bit codes along the last axis into words.
+
+    Every quantizer packs its codes through it, so ``k``-bit codes cost
+    ``k`` bits on the wire (plus the padding of the last word).
 
     Args:
       codes: unsigned integer array ``(..., n)``; values must be ``< 2**bits``
@@ -53,9 +78,12 @@ def pack_bits(codes: jax.Array, bits: int, word_dtype=jnp.uint32) -> jax.Array:
     Returns:
       ``(..., packed_words(n, bits, word_dtype))`` array of ``word_dtype``.
 
+    Raises:
+      ValueError: another ``bits`` or ``word_dtype``, or codes wider than a word.
+
     Example:
-      >>> import jax.numpy as jnp
-      >>> pack_bits(jnp.array([1, 0, 1, 1], jnp.uint8), 1, jnp.uint8)
+      >>> import jax.numpy as jnp, qcollect as qc
+      >>> qc.pack_bits(jnp.array([1, 0, 1, 1], jnp.uint8), 1, jnp.uint8)  # 0b1101
       Array([13], dtype=uint8)
     """
     per_word = _per_word(bits, word_dtype)
@@ -73,7 +101,27 @@ def pack_bits(codes: jax.Array, bits: int, word_dtype=jnp.uint32) -> jax.Array:
 
 
 def unpack_bits(words: jax.Array, bits: int, length: int) -> jax.Array:
-    """Inverse of `pack_bits`: ``(..., words) -> (..., length)`` uint32 codes."""
+    """Inverse of `pack_bits`: the first ``length`` codes of the packed words.
+
+    Args:
+      words: ``(..., num_words)`` ``uint8`` or ``uint32`` words from
+        `pack_bits` (the word size is read from their dtype).
+      bits: the code width they were packed with.
+      length: number of codes to return (the padding after them is dropped).
+
+    Returns:
+      ``(..., length)`` uint32 codes.
+
+    Raises:
+      ValueError: ``length`` exceeds the codes the words hold, or another
+        ``bits`` or word dtype.
+
+    Example:
+      >>> import jax.numpy as jnp, qcollect as qc
+      >>> words = qc.pack_bits(jnp.array([3, 0, 1, 2, 1], jnp.uint8), 2, jnp.uint8)
+      >>> words, qc.unpack_bits(words, 2, 5)
+      (Array([147,   1], dtype=uint8), Array([3, 0, 1, 2, 1], dtype=uint32))
+    """
     per_word = _per_word(bits, words.dtype)
     if words.shape[-1] * per_word < length:
         raise ValueError(

@@ -26,14 +26,15 @@ each non-empty word marks its first slot and a running max over the slots
 tells every slot its word, a five-step popcount search its bit. The full-size
 work is one fused pass that packs the mask; everything after it runs on
 ``n / 32`` words or on the ``capacity`` slots (an element-wise prefix sum over
-``n`` values would cost about ten passes on XLA:CPU). When more entries are
+``n`` values would cost several passes: PREFIX_SUMS_PER_WORD in
+docs/collectives.md#backend-workarounds). When more entries are
 candidates than fit, the ``capacity`` largest keys are kept, found per group
 by a 31-step bisection on integer keys (31 counting passes, no sort); ties go
 to the lower index.
 
 Example:
   >>> import jax.numpy as jnp
-  >>> from qcollect.coding._packing import pack_bits
+  >>> from qcollect import pack_bits
   >>> idx, count = compact_words(pack_bits(jnp.array([0, 1, 0, 1, 1]), 1), 5, 4)
   >>> to_words(idx, jnp.array([True, False, True, True]))
   Array([2147483649,          3, 2147483652, 4294967295], dtype=uint32)
@@ -42,6 +43,7 @@ Example:
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -76,19 +78,19 @@ def check_size(size: int) -> None:
             f"{MAX_SIZE} (2**31 - 1) entries per array (split the array)")
 
 
-def check_capacity(capacity):
+def check_capacity(capacity: object) -> int | float:
     """Validates a capacity: an int >= 0 (entries) or a float in (0, 1] (fraction)."""
     if isinstance(capacity, numbers.Integral) and not isinstance(capacity, bool):
-        if capacity >= 0:
+        if int(capacity) >= 0:
             return int(capacity)
     elif isinstance(capacity, numbers.Real) and not isinstance(capacity, bool):
-        if np.isfinite(capacity) and 0 < capacity <= 1:
+        if np.isfinite(float(capacity)) and 0 < float(capacity) <= 1:
             return float(capacity)
     raise ValueError("capacity must be an integer >= 0 (entries) or a float in (0, 1] "
                      f"(fraction of the array size), got {capacity!r}")
 
 
-def resolve_capacity(capacity, size: int) -> int:
+def resolve_capacity(capacity: int | float, size: int) -> int:
     """Static slot count: ``min(capacity, size)`` or ``ceil(capacity * size)``."""
     if isinstance(capacity, float):
         return min(size, int(np.ceil(capacity * size)))
@@ -119,7 +121,7 @@ def top_mask(keys: jax.Array, k: jax.Array, axis: int) -> jax.Array:
     """
     k = k.astype(jnp.int32)
 
-    def count_ge(t):
+    def count_ge(t: jax.Array | int) -> jax.Array:
         return jnp.sum(keys >= t, axis=axis, keepdims=True, dtype=jnp.int32)
 
     total = count_ge(1)
@@ -128,7 +130,8 @@ def top_mask(keys: jax.Array, k: jax.Array, axis: int) -> jax.Array:
     lo = total - total + 1
     hi = total - total + KEY_END
 
-    def body(_, carry):
+    def body(_: jax.Array,
+             carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
         lo, hi, n_lo = carry
         mid = lo + (hi - lo) // 2
         n_mid = count_ge(mid)
@@ -154,7 +157,7 @@ def mask_at(keys: jax.Array, k: jax.Array, t: jax.Array, axis: int,
     if n_t is None:
         n_t = jnp.sum(keys >= t, axis=axis, keepdims=True, dtype=jnp.int32)
 
-    def tie_break():
+    def tie_break() -> jax.Array:
         ties = keys == t
         rank = jnp.cumsum(ties, axis=axis, dtype=jnp.int32)
         need = k - (n_t - jnp.sum(ties, axis=axis, keepdims=True, dtype=jnp.int32))
@@ -176,7 +179,8 @@ def _select_bit(word: jax.Array, r: jax.Array) -> jax.Array:
     return pos
 
 
-def compact_words(words: jax.Array, size: int, capacity: int):
+def compact_words(words: jax.Array, size: int,
+                  capacity: int) -> tuple[jax.Array, jax.Array]:
     """Stream compaction of a bit-packed mask (`qcollect.pack_bits` 1-bit layout).
 
     Args:
@@ -207,7 +211,8 @@ def compact_words(words: jax.Array, size: int, capacity: int):
     return jnp.where(slot < count, idx, EMPTY_INDEX), count
 
 
-def compact_largest(keys_fn, size: int, capacity: int):
+def compact_largest(keys_fn: Callable[[], jax.Array], size: int,
+                    capacity: int) -> tuple[jax.Array, jax.Array]:
     """Indices of the entries with the ``capacity`` largest positive keys, ascending.
 
     Args:
@@ -242,7 +247,7 @@ def to_words(idx: jax.Array, positive: jax.Array) -> jax.Array:
     return idx | jnp.where(sign, SIGN_BIT, jnp.uint32(0))
 
 
-def from_words(words: jax.Array):
+def from_words(words: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Inverse of `to_words`: ``(idx int32, positive bool)``; empty slots give
     ``EMPTY_INDEX``, which `scatter_decode` drops."""
     return (words & INDEX_MASK).astype(jnp.int32), words >= SIGN_BIT

@@ -20,18 +20,24 @@ or from the caller's ``block_specs``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, TypeAlias
 
 import jax
 from jax.sharding import PartitionSpec as P
 
 from qcollect._config import per_leaf
 
-__all__ = ["block_spec_tree", "over_blocks"]
+__all__ = ["BlockSpecs", "block_spec_tree", "over_blocks"]
+
+#: How model axes shard each leaf: one ``PartitionSpec`` for every leaf, a
+#: pytree of them shaped like the leaves, ``f(path, leaf) -> PartitionSpec``,
+#: or None (read from the leaves' types).
+BlockSpecs: TypeAlias = Any
 
 
-def _axes_of(spec) -> set:
-    axes = set()
+def _axes_of(spec: P | None) -> set[Hashable]:
+    axes: set[Hashable] = set()
     for entry in spec or ():
         if entry is None:
             continue
@@ -39,14 +45,14 @@ def _axes_of(spec) -> set:
     return axes
 
 
-def _typed_spec(leaf):
+def _typed_spec(leaf: jax.Array) -> P | None:
     """The spec of ``leaf``'s explicit sharding (inside the jit), or None."""
     sharding = getattr(jax.typeof(leaf), "sharding", None)
     spec = getattr(sharding, "spec", None)
     return spec if spec is not None and _axes_of(spec) else None
 
 
-def block_spec_tree(x, block_specs):
+def block_spec_tree(x: Any, block_specs: BlockSpecs) -> Any:
     """Each leaf's block spec: ``block_specs`` (one ``PartitionSpec`` for every
     leaf, a pytree of them shaped like ``x``, or ``f(path, leaf) ->
     PartitionSpec``), or by default (None) the explicit sharding of each
@@ -68,7 +74,8 @@ def block_spec_tree(x, block_specs):
     return treedef.unflatten(specs)
 
 
-def over_blocks(run: Callable, x, block_specs, *shared, like_x=(), out_specs: Callable):
+def over_blocks(run: Callable[..., Any], x: Any, block_specs: BlockSpecs, *shared: Any,
+                like_x: Sequence[Any] = (), out_specs: Callable[[Any], Any]) -> Any:
     """``run(x, *like_x, *shared)`` on each device's block of ``x`` along the
     mesh axes its block specs name (`block_spec_tree`), or as it is when none
     do.
@@ -98,13 +105,13 @@ def over_blocks(run: Callable, x, block_specs, *shared, like_x=(), out_specs: Ca
         return run(x, *like_x, *shared)
     others = [None if a is None else treedef.flatten_up_to(a) for a in like_x]
 
-    def pick(indices):
+    def pick(indices: list[int]) -> tuple[Any, ...]:
         return ([leaves[i] for i in indices],
                 *[None if a is None else [a[i] for i in indices] for a in others])
 
     whole = [i for i, s in enumerate(spec_list) if not _axes_of(s)]
     blocked = [i for i, s in enumerate(spec_list) if _axes_of(s)]
-    found: dict = {}
+    found: dict[tuple[int, int], Any] = {}
     if whole:
         found |= _by_slot(run(*pick(whole), *shared), whole, out_specs)
     sharded = [spec_list[i] for i in blocked]
@@ -121,22 +128,23 @@ def over_blocks(run: Callable, x, block_specs, *shared, like_x=(), out_specs: Ca
 class _Slot:
     """A marker for leaf ``index`` of ``x`` in the structure ``out_specs`` builds."""
 
-    def __init__(self, index: int):
+    def __init__(self, index: int) -> None:
         self.index = index
 
 
-def _slot_keys(slots) -> list:
+def _slot_keys(slots: Sequence[_Slot]) -> list[tuple[int, int]]:
     """``(leaf index, occurrence)`` of each marker: ``out_specs`` may place a
     leaf's spec several times (the fields of an `AllReduceResult`)."""
     seen: dict[int, int] = {}
-    keys = []
+    keys: list[tuple[int, int]] = []
     for slot in slots:
         keys.append((slot.index, seen.get(slot.index, 0)))
         seen[slot.index] = keys[-1][1] + 1
     return keys
 
 
-def _by_slot(result, indices, out_specs) -> dict:
+def _by_slot(result: Any, indices: list[int],
+             out_specs: Callable[[Any], Any]) -> dict[tuple[int, int], Any]:
     """``result`` of ``run`` on the leaves ``indices``, keyed as `_slot_keys`."""
     slots, layout = jax.tree.flatten(out_specs([_Slot(i) for i in indices]))
     return dict(zip(_slot_keys(slots), layout.flatten_up_to(result), strict=True))

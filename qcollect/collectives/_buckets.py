@@ -1,9 +1,9 @@
 """Equal buckets batched: one traced copy of the per-bucket work per shape.
 
-`qcollect.collectives._layout` cuts a pytree into segments and each segment into
-buckets of whole compressor groups (`Segment.parts`). Buckets of equal
-layout -- the full buckets of a fused segment, or leaves of one shape reduced
-on their own -- form a *class*: their chunks are stacked and the per-bucket
+The layout cuts a pytree into segments and each segment into buckets of
+whole compressor groups (`Segment.parts`). Buckets of equal layout -- the
+full buckets of a fused segment, or leaves of one shape reduced on their
+own -- form a *class*: their chunks are stacked and the per-bucket
 collective runs once over the stack, batched with `jax.vmap` (every
 collective moves the class's payloads in one message per hop). The program
 therefore holds one copy of the algorithm per class, not per bucket: its
@@ -12,38 +12,30 @@ compile``).
 
 Why a batch: across processes every hop of a class is one message instead
 of one per bucket, so the collectives' fixed costs are paid once per class.
-On 4 processes over Gloo (16 equal leaves per process) the batch took
-0.77x (QSGD 4-bit), 0.62x (1-bit) and 0.86x (PCA) of the time of the
-program traced bucket by bucket at 1 Gbit/s, 0.95x, 0.59x and 1.01x at
-100 Mbit/s; on 8 simulated devices in one process it runs at the traced
-program's speed for QSGD and PCA and 1.4x slower for 1-bit
-(`docs/benchmarks.md`, "Compile time and program size"). It holds the
-class's intermediates at once: XLA's scratch memory is larger than the
-traced program's (at 19M parameters 1.3x the gradient against 0.45x for
-QSGD, 2.1x against 1.4x for PCA). A
-`lax.map` loop over the buckets was slower still (1.6-1.8x the traced
-program on one process: the stacked buckets are copied in and out, and each
-decode, fused into the loop's in-place output, is not split across threads)
-and needed more scratch memory, not less.
+What it costs: the class's buckets are copied into one stack and its
+intermediates are held at once (more scratch memory than the traced
+program), and in one process, where a hop costs little, the copy is not
+repaid. A `lax.map` loop over the buckets was slower still and needed more
+scratch memory, not less. The measurements are in
+docs/collectives.md#batch-or-trace.
 
 What still grows with the model is per leaf: each output leaf is its own
 kernel, a slice of the class's result with the decode fused in. The slices
-start at runtime offsets (`qcollect.collectives._offsets`), so the kernels of the
-leaves of one shape are one program and XLA generates its code once; the
-optimised HLO text still prints every leaf's copy.
+start at runtime offsets (`runtime_slices`,
+`_backend.CONSTANT_OFFSETS`), so the kernels of the leaves of one shape
+are one program and XLA generates its code once; the optimised HLO text
+still prints every leaf's copy.
 
 When a class runs as a batch (`runs_batched`, ``batch_buckets``): with
 the default ``"auto"`` (`BATCH_BUCKETS`), a class of buckets of at most
 `AUTO_BATCH_BYTES` (4 MiB: the full buckets of fused leaves, and leaves up
 to that size reduced alone) runs as one batch, and a class of larger
 buckets (large leaves reduced alone) is traced once per bucket unless it
-has more than `AUTO_TRACE_LIMIT` of them. The batch saves each hop's
-fixed cost per bucket but copies its buckets into one stack (XLA:CPU
-materialised it twice for 1-bit, in two layouts); docs/benchmarks.md
-("Batch or trace") has the measurements behind the default. ``"always"``
-batches every class of two or more buckets, ``"never"`` traces every
-bucket, and an int ``K`` batches the classes of more than ``K`` buckets;
-a single bucket is always traced.
+has more than `AUTO_TRACE_LIMIT` of them: the batch saves each hop's fixed
+cost per bucket but copies its buckets into one stack.
+``"always"`` batches every class of two or more buckets, ``"never"``
+traces every bucket, and an int ``K`` batches the classes of more than
+``K`` buckets; a single bucket is always traced.
 
 Randomness: a segment of one bucket uses ``fold_in(key, segment)`` as it
 always did; bucket ``b`` of a longer segment uses
@@ -55,8 +47,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
-from typing import Literal, NamedTuple
+from collections.abc import Sequence
+from typing import Any, Literal, NamedTuple, Protocol, cast
 
 import jax
 import jax.numpy as jnp
@@ -68,8 +60,7 @@ from qcollect.collectives._result import AllReduceResult
 from qcollect.collectives._segments import Segment
 
 __all__ = ["AUTO_BATCH_BYTES", "AUTO_TRACE_LIMIT", "BATCH_BUCKETS", "BatchBuckets",
-           "check_batch_buckets",
-           "reduce_buckets", "runs_batched"]
+           "ReduceBucket", "check_batch_buckets", "reduce_buckets", "runs_batched"]
 
 #: The values of ``batch_buckets`` besides an int ``K`` (batch the classes of
 #: more than ``K`` buckets).
@@ -84,11 +75,19 @@ AUTO_TRACE_LIMIT = 16
 _BATCH_WORDS = ("auto", "always", "never")
 
 
-def check_batch_buckets(value, name: str = "batch_buckets") -> BatchBuckets:
+class ReduceBucket(Protocol):
+    """``(data, valid, residual, *, key, layout) -> AllReduceResult``: one
+    bucket's collective (`reduce_buckets`)."""
+
+    def __call__(self, data: jax.Array, valid: Any, residual: jax.Array | None, /, *,
+                 key: jax.Array | None, layout: Segment) -> AllReduceResult: ...
+
+
+def check_batch_buckets(value: object, name: str = "batch_buckets") -> BatchBuckets:
     """``value`` as a ``batch_buckets`` setting: ``"auto"``, ``"always"``,
     ``"never"`` or an int >= 0."""
     if isinstance(value, str) and value in _BATCH_WORDS:
-        return value  # type: ignore[return-value]
+        return cast(BatchBuckets, value)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise ValueError(f"{name} must be 'auto', 'always', 'never' or an integer >= 0, "
                          f"got {value!r}")
@@ -139,7 +138,8 @@ class _Run(NamedTuple):
     buckets: int
 
 
-def _bucket_key(key, segment, bucket, single):
+def _bucket_key(key: jax.Array | None, segment: int | jax.Array, bucket: int | jax.Array,
+                single: bool | np.bool_ | jax.Array) -> jax.Array | None:
     """The key of one bucket: ``fold_in(key, segment)``, folded again with
     ``bucket`` unless its segment is a single bucket. Static (ints) in an
     unrolled class, traced in a batch. None for no key."""
@@ -154,7 +154,7 @@ def _bucket_key(key, segment, bucket, single):
         impl=jax.random.key_impl(key))
 
 
-def _joined(arrays):
+def _joined(arrays: Sequence[jax.Array]) -> jax.Array:
     return arrays[0] if len(arrays) == 1 else jnp.concatenate(arrays)
 
 
@@ -162,20 +162,26 @@ class _Inputs(NamedTuple):
     """Per segment index: its buckets' data, valid counts and owner residual,
     each a list with one stacked array per `Segment.parts` entry, or None."""
 
-    data: dict
-    valid: dict
-    residual: dict
+    data: dict[int, list[jax.Array]]
+    valid: dict[int, list[np.ndarray] | None]
+    residual: dict[int, list[jax.Array] | None]
 
-    def of_run(self, run: _Run) -> tuple:
+    def of_run(self, run: _Run) -> tuple[Any, ...]:
         """A run's stacked data, valid counts and residual (None where absent)."""
-        return tuple(None if a[run.segment] is None else a[run.segment][run.part]
-                     for a in self)
+        parts = (inputs[run.segment] for inputs in self)
+        return tuple(None if part is None else part[run.part] for part in parts)
 
 
-def _classes(segments: list[Segment], leaves, owners, masks_padding: bool):
+#: A class of equal buckets: the layout of one bucket (`Segment.layout`), and
+#: whether its buckets come without valid counts.
+_Class = tuple[Segment, bool]
+
+
+def _classes(segments: list[Segment], leaves: Sequence[Any], owners: Sequence[Any] | None,
+             masks_padding: bool) -> tuple[dict[_Class, list[_Run]], _Inputs]:
     """``(classes, inputs)``: the runs of equal buckets grouped by layout, and
     the `_Inputs` they read."""
-    classes: dict[tuple, list[_Run]] = {}
+    classes: dict[_Class, list[_Run]] = {}
     inputs = _Inputs({}, {}, {})
     for i, seg in enumerate(segments):
         if seg.length == 0:
@@ -185,7 +191,7 @@ def _classes(segments: list[Segment], leaves, owners, masks_padding: bool):
         inputs.residual[i] = None if owners is None else seg.bucketed(owners)
         first = 0
         for p, (count, per_chunk) in enumerate(seg.parts):
-            signature = (seg.dtype, seg.columns, seg.unit, per_chunk, inputs.valid[i] is None)
+            signature = (seg.layout(per_chunk), inputs.valid[i] is None)
             classes.setdefault(signature, []).append(_Run(i, p, first, count))
             first += count
     return classes, inputs
@@ -197,8 +203,9 @@ def _stacked(results: list[AllReduceResult]) -> AllReduceResult:
                              for field in zip(*results, strict=True)))
 
 
-def _traced(runs: list[_Run], inputs: _Inputs, segments: list[Segment], key,
-            reduce_bucket: Callable, layout: Segment) -> dict:
+def _traced(runs: list[_Run], inputs: _Inputs, segments: list[Segment], key: jax.Array | None,
+            reduce_bucket: ReduceBucket,
+            layout: Segment) -> dict[tuple[int, int], AllReduceResult]:
     """Each bucket of ``runs`` traced on its own, straight from its run's
     buckets, with static keys and valid counts: ``{(segment, part): result}``."""
     results = {}
@@ -214,8 +221,9 @@ def _traced(runs: list[_Run], inputs: _Inputs, segments: list[Segment], key,
     return results
 
 
-def _batched(runs: list[_Run], inputs: _Inputs, segments: list[Segment], key,
-             reduce_bucket: Callable, layout: Segment) -> dict:
+def _batched(runs: list[_Run], inputs: _Inputs, segments: list[Segment], key: jax.Array | None,
+             reduce_bucket: ReduceBucket,
+             layout: Segment) -> dict[tuple[int, int], AllReduceResult]:
     """The buckets of ``runs`` as one `jax.vmap` batch: ``{(segment, part): result}``."""
     index = np.array([(r.segment, r.first + b, segments[r.segment].buckets == 1)
                       for r in runs for b in range(r.buckets)], np.int32)
@@ -225,7 +233,7 @@ def _batched(runs: list[_Run], inputs: _Inputs, segments: list[Segment], key,
                      else _joined(column))
                for column in zip(*stacked, strict=True))
 
-    def body(xs_and_index):
+    def body(xs_and_index: tuple[tuple[Any, ...], tuple[jax.Array, ...]]) -> AllReduceResult:
         (data_b, valid_b, residual_b), (segment, bucket, single) = xs_and_index
         return reduce_bucket(data_b, valid_b, residual_b,
                              key=_bucket_key(key, segment, bucket, single), layout=layout)
@@ -233,20 +241,21 @@ def _batched(runs: list[_Run], inputs: _Inputs, segments: list[Segment], key,
     out = jax.vmap(body)((xs, tuple(jnp.asarray(index.T))))
     firsts = np.cumsum([0] + [r.buckets for r in runs[:-1]])
     counts = [r.buckets for r in runs]
-    # Runtime starts, so that the runs' consumers share kernels (qcollect.collectives._offsets).
+    # Runtime starts, so that the runs' consumers share kernels (_backend.CONSTANT_OFFSETS).
     cut = [None if a is None else [a] if len(runs) == 1 else runtime_slices(a, firsts, counts)
            for a in out]
     return {(r.segment, r.part): AllReduceResult(*(None if c is None else c[i] for c in cut))
             for i, r in enumerate(runs)}
 
 
-def reduce_buckets(segments: list[Segment], leaves, owners, *, key, masks_padding: bool,
-                   reduce_bucket: Callable, batch_buckets: BatchBuckets = BATCH_BUCKETS
-                   ) -> list[AllReduceResult]:
+def reduce_buckets(segments: list[Segment], leaves: Sequence[Any],
+                   owners: Sequence[Any] | None, *, key: jax.Array | None,
+                   masks_padding: bool, reduce_bucket: ReduceBucket,
+                   batch_buckets: BatchBuckets = BATCH_BUCKETS) -> list[AllReduceResult]:
     """Runs ``reduce_bucket`` on every bucket of every segment, once per class.
 
     Args:
-      segments: `qcollect.collectives._layout.plan_segments` of ``leaves``.
+      segments: `plan_segments` of ``leaves``.
       leaves: the arrays.
       owners: arrays laid out like ``leaves`` (the owner residual), or None.
       key: this device's PRNG key, or None: ``reduce_bucket`` gets None.
@@ -265,8 +274,7 @@ def reduce_buckets(segments: list[Segment], leaves, owners, *, key, masks_paddin
     """
     classes, inputs = _classes(segments, leaves, owners, masks_padding)
     results: dict[tuple[int, int], AllReduceResult] = {}
-    for (_, _, _, per_chunk, _), runs in classes.items():
-        layout = segments[runs[0].segment].layout(per_chunk)
+    for (layout, _), runs in classes.items():
         nbytes = layout.n * math.prod(layout.chunk_shape) * np.dtype(layout.dtype).itemsize
         batched = runs_batched(sum(r.buckets for r in runs), nbytes, batch_buckets)
         run = _batched if batched else _traced

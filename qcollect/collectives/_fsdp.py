@@ -26,13 +26,16 @@ References:
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from qcollect._config import per_leaf
 from qcollect._payload import Compressor
+from qcollect.collectives._algorithms import Exchange
 from qcollect.collectives._messages import fused_psum
+from qcollect.collectives._result import AxisName
 from qcollect.collectives._ring import as_varying
 from qcollect.collectives._sharded import compressed_all_gather, compressed_reduce_scatter
 from qcollect.compressors._baseline import identity
@@ -40,7 +43,7 @@ from qcollect.compressors._baseline import identity
 __all__ = ["fsdp_gather", "fsdp_residuals", "shard_dimensions"]
 
 
-def shard_dimensions(params, n: int, *, min_size: int = 2 ** 14):
+def shard_dimensions(params: Any, n: int, *, min_size: int = 2 ** 14) -> Any:
     """Which dimension of each leaf to shard over ``n`` devices (None: replicate).
 
     A leaf of at least ``min_size`` values is sharded on its longest
@@ -65,7 +68,7 @@ def shard_dimensions(params, n: int, *, min_size: int = 2 ** 14):
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive int, got {n!r}")
 
-    def choose(leaf):
+    def choose(leaf: Any) -> int | None:
         shape = tuple(jnp.shape(leaf))
         if math.prod(shape) < min_size:
             return None
@@ -75,7 +78,7 @@ def shard_dimensions(params, n: int, *, min_size: int = 2 ** 14):
     return jax.tree.map(choose, params)
 
 
-def fsdp_residuals(params, dimension):
+def fsdp_residuals(params: Any, dimension: Any) -> Any:
     """Zero error-feedback residuals for `fsdp_gather`: float32 zeros of each
     sharded leaf's full shape (per device), a scalar zero for replicated
     leaves. ``params`` are full-size (or their ``jax.ShapeDtypeStruct``)."""
@@ -84,9 +87,10 @@ def fsdp_residuals(params, dimension):
         params, dimension, is_leaf=lambda d: d is None)
 
 
-def fsdp_gather(shards, residuals, key, axis_name, *, dimension,
-                weights: Compressor | None = None, gradients: Compressor | None = None,
-                mean: bool = True, exchange: str = "permute"):
+def fsdp_gather(shards: Any, residuals: Any, key: jax.Array, axis_name: AxisName, *,
+                dimension: Any, weights: Compressor | None = None,
+                gradients: Compressor | None = None, mean: bool = True,
+                exchange: Exchange = "permute") -> Any:
     """The full parameters from this device's shards; differentiable.
 
     Forward: `qcollect.compressed_all_gather` of the sharded leaves with
@@ -95,7 +99,9 @@ def fsdp_gather(shards, residuals, key, axis_name, *, dimension,
     plus ``residuals`` is reduce-scattered with ``gradients``
     (`qcollect.compressed_reduce_scatter`), so the gradient of ``shards`` is
     this device's shard of the devices' mean (or sum) gradient, and the
-    gradient of ``residuals`` is the next residuals (module docstring).
+    gradient of ``residuals`` is the next residuals, ``g + residuals -
+    contributed`` (error feedback;
+    docs/collectives.md#sharded-training-reduce-scatter-and-all-gather).
 
     Args:
       shards: pytree, this device's shard of each sharded leaf (``P(axis)``
@@ -141,66 +147,106 @@ def fsdp_gather(shards, residuals, key, axis_name, *, dimension,
     """
     weights = identity() if weights is None else weights
     gradients = identity() if gradients is None else gradients
-    leaves, treedef = jax.tree.flatten(shards)
-    dims = _leaf_dimensions(treedef, dimension)
-    _check(leaves, _leaf_residuals(treedef, residuals), dims)
-    sharded = [i for i, d in enumerate(dims) if d is not None]
-    replicated = [i for i, d in enumerate(dims) if d is None]
-
-    def gather(leaves_in, key):
-        full = list(leaves_in)
-        if sharded:
-            gathered = compressed_all_gather(
-                [leaves_in[i] for i in sharded], axis_name, weights, key,
-                gather_dimension=[dims[i] for i in sharded]).value
-            for i, g in zip(sharded, gathered, strict=True):
-                full[i] = g
-        return treedef.unflatten([as_varying(f, axis_name) for f in full])
+    plan = _plan(shards, residuals, dimension)
 
     @jax.custom_vjp
-    def run(shards, residuals, key):
+    def run(shards: Any, residuals: Any, key: jax.Array) -> Any:
         del residuals
-        return gather(treedef.flatten_up_to(shards), key)
+        return _gathered(plan, plan.treedef.flatten_up_to(shards), key, axis_name, weights)
 
-    def forward(shards, residuals, key):
+    def forward(shards: Any, residuals: Any, key: jax.Array) -> tuple[Any, tuple[Any, Any]]:
         return run(shards, residuals, key), (residuals, key)
 
-    def backward(saved, cotangent):
+    def backward(saved: tuple[Any, jax.Array], cotangent: Any) -> tuple[Any, Any, None]:
         residual_tree, step_key = saved
-        g = treedef.flatten_up_to(cotangent)
-        res = treedef.flatten_up_to(residual_tree)
-        grads, new_res = [None] * len(g), list(res)
-        if sharded:
-            inputs = [g[i].astype(jnp.float32) + res[i] for i in sharded]
-            out = compressed_reduce_scatter(
-                inputs, axis_name, gradients, step_key, mean=mean, exchange=exchange,
-                scatter_dimension=[dims[i] for i in sharded])
-            for i, x, v, c in zip(sharded, inputs, out.value, out.contributed, strict=True):
-                grads[i] = v.astype(leaves[i].dtype)
-                new_res[i] = x - c.astype(jnp.float32)
-        if replicated:
-            summed = fused_psum([g[i] for i in replicated], axis_name, mean=mean)
-            for i, v in zip(replicated, summed, strict=True):
-                grads[i] = v.astype(leaves[i].dtype)
-                new_res[i] = jnp.zeros_like(res[i])
-        return treedef.unflatten(grads), treedef.unflatten(new_res), None
+        grads, new_res = _cotangents(plan, plan.treedef.flatten_up_to(cotangent),
+                                     plan.treedef.flatten_up_to(residual_tree), step_key,
+                                     axis_name, gradients, mean=mean, exchange=exchange)
+        return plan.treedef.unflatten(grads), plan.treedef.unflatten(new_res), None
 
     run.defvjp(forward, backward)
     return run(shards, residuals, key)
 
 
-def _leaf_dimensions(treedef, dimension) -> list:
+class _Plan(NamedTuple):
+    """Which leaves of the shards `fsdp_gather` gathers, along which
+    dimension, and the shards themselves (whose dtypes the gradients take)."""
+
+    treedef: Any
+    dims: list[int | None]
+    leaves: list[Any]
+
+    @property
+    def sharded(self) -> list[int]:
+        return [i for i, d in enumerate(self.dims) if d is not None]
+
+    @property
+    def replicated(self) -> list[int]:
+        return [i for i, d in enumerate(self.dims) if d is None]
+
+
+def _plan(shards: Any, residuals: Any, dimension: Any) -> _Plan:
+    """The `_Plan` of `fsdp_gather`'s arguments, checked (`_check`)."""
+    leaves, treedef = jax.tree.flatten(shards)
+    dims = _leaf_dimensions(treedef, dimension)
+    _check(leaves, _leaf_residuals(treedef, residuals), dims)
+    return _Plan(treedef, dims, leaves)
+
+
+def _gathered(plan: _Plan, leaves: list[Any], key: jax.Array, axis_name: AxisName,
+              weights: Compressor) -> Any:
+    """The forward pass: the sharded leaves all-gathered with ``weights``, the
+    replicated ones as they are, all typed varying along ``axis_name``."""
+    full = list(leaves)
+    sharded = plan.sharded
+    if sharded:
+        gathered = compressed_all_gather(
+            [leaves[i] for i in sharded], axis_name, weights, key,
+            gather_dimension=[plan.dims[i] for i in sharded]).value
+        for i, g in zip(sharded, gathered, strict=True):
+            full[i] = g
+    return plan.treedef.unflatten([as_varying(f, axis_name) for f in full])
+
+
+def _cotangents(plan: _Plan, g: list[Any], res: list[Any], key: jax.Array, axis_name: AxisName,
+                gradients: Compressor, *, mean: bool,
+                exchange: Exchange) -> tuple[list[Any], list[Any]]:
+    """The backward pass, leaf by leaf: ``(gradients of the shards, next
+    residuals)`` from the full-size cotangents ``g`` and the residuals
+    ``res``: the sharded leaves' ``g + res`` reduce-scattered with
+    ``gradients`` (the residual keeps what it lost), the replicated leaves'
+    ``g`` all-reduced uncompressed (their residual stays zero)."""
+    grads: list[Any] = [None] * len(g)
+    new_res = list(res)
+    sharded, replicated = plan.sharded, plan.replicated
+    if sharded:
+        inputs = [g[i].astype(jnp.float32) + res[i] for i in sharded]
+        out = compressed_reduce_scatter(
+            inputs, axis_name, gradients, key, mean=mean, exchange=exchange,
+            scatter_dimension=[plan.dims[i] for i in sharded])
+        for i, x, v, c in zip(sharded, inputs, out.value, out.contributed, strict=True):
+            grads[i] = v.astype(plan.leaves[i].dtype)
+            new_res[i] = x - c.astype(jnp.float32)
+    if replicated:
+        summed = fused_psum([g[i] for i in replicated], axis_name, mean=mean)
+        for i, v in zip(replicated, summed, strict=True):
+            grads[i] = v.astype(plan.leaves[i].dtype)
+            new_res[i] = jnp.zeros_like(res[i])
+    return grads, new_res
+
+
+def _leaf_dimensions(treedef: Any, dimension: Any) -> list[int | None]:
     return per_leaf(treedef, dimension,
                     lambda v: v is None or isinstance(v, int) and not isinstance(v, bool),
                     "dimension", "an int or None")
 
 
-def _leaf_residuals(treedef, residuals) -> list:
+def _leaf_residuals(treedef: Any, residuals: Any) -> list[Any]:
     return per_leaf(treedef, residuals, lambda v: False, "residuals",
                     "arrays (qc.fsdp_residuals makes them)")
 
 
-def _check(leaves, residuals, dims) -> None:
+def _check(leaves: list[Any], residuals: list[Any], dims: list[int | None]) -> None:
     for leaf, residual, d in zip(leaves, residuals, dims, strict=True):
         if d is None:
             continue

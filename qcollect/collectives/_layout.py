@@ -43,11 +43,15 @@ after decoding; when ``valid`` is passed they count 0.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Any
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from qcollect._config import check_int
-from qcollect._payload import GROUPINGS, Grouping
+from qcollect._payload import GROUPINGS, Compressor, Grouping
 from qcollect.collectives._segments import ColumnSegment, RowSegment, Segment
 from qcollect.compressors._groups import matrix_view
 
@@ -58,20 +62,22 @@ __all__ = ["BUCKET_BYTES", "GROUPINGS", "Grouping", "leaf_chunks", "plan_segment
 BUCKET_BYTES = 4 << 20
 
 
-
-def _units(shape, grouping: str, block: int, n: int) -> tuple[bool, int, int]:
-    """``(columns, unit, span)`` of one leaf."""
+def _units(shape: tuple[int, ...], grouping: Grouping, block: int,
+           n: int) -> tuple[type[Segment], int, int]:
+    """``(kind, unit, span)`` of one leaf: the segment kind that holds it,
+    the values of one of its spans, and its spans."""
     size = math.prod(shape)
     if size == 0:
-        return False, 1, 0
+        return RowSegment, 1, 0
     rows, cols = matrix_view(tuple(shape))
     if grouping == "column" or (grouping == "leaf" and 1 < n <= cols):
-        return True, rows, cols
+        return ColumnSegment, rows, cols
     width = {"element": 1, "bucket": block, "leaf": -(-size // n)}[grouping]
-    return False, width, -(-size // width)
+    return RowSegment, width, -(-size // width)
 
 
-def plan_segments(leaves, grouping: Grouping = "element", block: int = 1, n: int = 1, *,
+def plan_segments(leaves: Sequence[Any], grouping: Grouping = "element", block: int = 1,
+                  n: int = 1, *,
                   fuse: bool = True, bucket_bytes: int | None = BUCKET_BYTES
                   ) -> list[Segment]:
     """Lays out ``leaves`` (arrays or shape/dtype structs) into segments.
@@ -99,13 +105,13 @@ def plan_segments(leaves, grouping: Grouping = "element", block: int = 1, n: int
     bucket_bytes = check_int("bucket_bytes", bucket_bytes, low=0, allow_none=True)
     check_int("block", block, low=1)
     alone = not fuse or grouping == "leaf" or bucket_bytes == 0
-    segments: list[dict] = []
-    streams: dict[tuple, dict] = {}
+    segments: list[dict[str, Any]] = []
+    streams: dict[tuple[np.dtype, type[Segment], int], dict[str, Any]] = {}
     for i, leaf in enumerate(leaves):
         shape, dtype = tuple(leaf.shape), jnp.dtype(leaf.dtype)
-        columns, unit, span = _units(shape, grouping, block, n)
+        kind, unit, span = _units(shape, grouping, block, n)
         nbytes = math.prod(shape) * dtype.itemsize
-        key = (dtype, columns, unit)
+        key = (dtype, kind, unit)
         by_itself = alone or span == 0 or (bucket_bytes is not None and nbytes >= bucket_bytes)
         current = None if by_itself else streams.get(key)
         if current is None:
@@ -123,15 +129,14 @@ def plan_segments(leaves, grouping: Grouping = "element", block: int = 1, n: int
                      spans=tuple(s["spans"]), n=n, bucket=s["bucket"]) for s in segments]
 
 
-def _segment(key: tuple, **fields) -> Segment:
-    """The segment of ``key = (dtype, columns, unit)`` (`_units`)."""
-    dtype, columns, unit = key
-    if columns:
-        return ColumnSegment(dtype=dtype, rows=unit, **fields)
-    return RowSegment(dtype=dtype, width=unit, **fields)
+def _segment(key: tuple[np.dtype, type[Segment], int], **fields: Any) -> Segment:
+    """The segment of ``key = (dtype, kind, unit)`` (`_units`)."""
+    dtype, kind, unit = key
+    return kind.planned(dtype=dtype, unit=unit, **fields)
 
 
-def leaf_chunks(x, compressor, num_devices: int):
+def leaf_chunks(x: jax.Array, compressor: Compressor,
+                num_devices: int) -> tuple[jax.Array, jax.Array | None]:
     """The chunks `qcollect.compressed_all_reduce` encodes for the leaf ``x``
     reduced on its own over ``num_devices`` devices.
 

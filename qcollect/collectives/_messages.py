@@ -2,39 +2,41 @@
 
 XLA's collectives take several operands (a tuple all-reduce, one
 ``ppermute`` per leaf of a pytree), but how many messages that makes is the
-backend's choice. Measured across 4 processes on the CPU backend (Gloo,
-jaxlib 0.10, 2 cores): a ``lax.psum`` of 34 vectors of 128 floats took
-200 ms, the same values concatenated into one vector 8 ms: every operand is
-its own exchange, and each costs milliseconds of latency whatever its size.
-A compressed all-reduce sends several arrays per hop (one-bit: the sign
-words and two means per group; QSGD: words and norms), and a model has
-dozens of small leaves that are averaged uncompressed, so the per-message
-latency, not the link, bounded a compressed step
-(``docs/multiprocess.md``, "Messages per hop").
+backend's choice, and across processes on the CPU backend every operand is
+an exchange of its own, each costing milliseconds of latency whatever its
+size (`_backend.MESSAGE_PER_ARRAY`; measured in
+docs/collectives.md#messages-per-exchange). A compressed all-reduce sends
+several arrays per hop (one-bit: the sign words and two means per group;
+QSGD: words and norms), and a model has dozens of small leaves that are
+averaged uncompressed, so the per-message latency, not the link, would
+bound a compressed step.
 
 `pack` lays arrays of any shapes and dtypes side by side in one buffer of
 unsigned words (a bit-identical view: no value is rounded or converted) and
-`unpack` restores them; `permute` and `gather` in `qcollect.collectives._ring` send a
-pytree's leaves as one such buffer, and `fused_psum` sums a pytree with one
-collective per dtype and bucket, as PyTorch DDP's gradient buckets do. The
-bytes on the wire are the same: only the number of messages changes.
+`unpack` restores them; `send_packed` moves a list of arrays as one such
+buffer per collective (qc.permute, qc.exchange_chunks and the payload
+gathers use it), and `fused_psum` sums a pytree with one collective per
+dtype and bucket, as PyTorch DDP's gradient buckets do. The bytes on the
+wire are the same: only the number of messages changes.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from qcollect.collectives._blocks import over_blocks
+from qcollect.collectives._blocks import BlockSpecs, over_blocks
 from qcollect.collectives._layout import BUCKET_BYTES
+from qcollect.collectives._result import AxisName
 from qcollect.varying import varying_axes
 
-__all__ = ["Packing", "fused_psum", "pack", "packable", "unpack"]
+__all__ = ["Packing", "fused_psum", "pack", "packable", "send_packed", "unpack"]
 
 _WORDS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
@@ -55,18 +57,18 @@ class Packing(NamedTuple):
     lead: int
 
 
-def packable(arrays) -> bool:
+def packable(arrays: Sequence[jax.Array]) -> bool:
     """Whether `pack` can view every one of ``arrays`` as words: real or
     integer dtypes (not bool, not complex)."""
     return all(jnp.issubdtype(a.dtype, jnp.number)
                and not jnp.issubdtype(a.dtype, jnp.complexfloating) for a in arrays)
 
 
-def _word(dtypes) -> type:
+def _word(dtypes: Sequence[Any]) -> type:
     return _WORDS[min(np.dtype(d).itemsize for d in dtypes)]
 
 
-def pack(arrays, lead: int = 0) -> tuple[jax.Array, Packing]:
+def pack(arrays: Sequence[Any], lead: int = 0) -> tuple[jax.Array, Packing]:
     """Arrays side by side in one buffer of unsigned words.
 
     Args:
@@ -121,21 +123,22 @@ def unpack(buffer: jax.Array, packing: Packing) -> list[jax.Array]:
     return out
 
 
-def _by_type(leaves) -> list[list[int]]:
+def _by_type(leaves: Sequence[jax.Array]) -> list[list[int]]:
     """Indices of ``leaves`` grouped by the manual axes they vary along (a
     buffer varies along every axis any of its arrays does, so packing an
     array with one that varies along more would change its type)."""
-    groups: dict[frozenset | None, list[int]] = {}
+    groups: dict[frozenset[str] | None, list[int]] = {}
     for i, leaf in enumerate(leaves):
         groups.setdefault(varying_axes(leaf), []).append(i)
     return list(groups.values())
 
 
-def send_packed(send, leaves: list, lead: int = 0) -> list:
+def send_packed(send: Callable[[jax.Array], jax.Array], leaves: Sequence[jax.Array],
+                lead: int = 0) -> list[jax.Array]:
     """``send`` (a function of one array: a collective) applied to ``leaves``
     with one message per type: the `packable` leaves that vary along the same
     manual axes go as one buffer, any other leaf on its own."""
-    out = [None] * len(leaves)
+    out: list[Any] = [None] * len(leaves)
     for group in _by_type(leaves):
         arrays = [leaves[i] for i in group]
         if len(arrays) < 2 or not packable(arrays):
@@ -168,8 +171,8 @@ def _buckets(sizes: list[int], cap: int | None) -> list[list[int]]:
     return runs
 
 
-def fused_psum(x, axis_name, *, mean: bool = False, bucket_bytes: int | None = BUCKET_BYTES,
-               block_specs=None):
+def fused_psum(x: Any, axis_name: AxisName, *, mean: bool = False,
+               bucket_bytes: int | None = BUCKET_BYTES, block_specs: BlockSpecs = None) -> Any:
     """``lax.psum`` (or ``lax.pmean``) of a pytree with one collective per
     bucket: the leaves of one dtype are concatenated into buckets of at most
     ``bucket_bytes``, as PyTorch DDP buckets gradients.
@@ -177,7 +180,8 @@ def fused_psum(x, axis_name, *, mean: bool = False, bucket_bytes: int | None = B
     The values are ``lax.psum``'s (each element is summed over the same
     devices); the bytes on the wire are the same; the number of exchanges
     drops from one per leaf to one per bucket, which is what a step pays
-    when every exchange carries a fixed latency (the module docstring).
+    when every exchange carries a fixed latency
+    (docs/collectives.md#messages-per-exchange).
 
     Args:
       x: array or pytree of arrays, this device's contribution.
@@ -205,13 +209,13 @@ def fused_psum(x, axis_name, *, mean: bool = False, bucket_bytes: int | None = B
     return over_blocks(run, x, block_specs, out_specs=lambda specs: specs)
 
 
-def _fused_psum(x, *, axis_name, mean: bool, bucket_bytes: int | None):
+def _fused_psum(x: Any, *, axis_name: AxisName, mean: bool, bucket_bytes: int | None) -> Any:
     """`fused_psum` on whole leaves."""
     reduce = lax.pmean if mean else lax.psum
     leaves, treedef = jax.tree.flatten(x)
     leaves = [jnp.asarray(leaf) for leaf in leaves]
-    out = [None] * len(leaves)
-    classes: dict[tuple, list[int]] = {}
+    out: list[Any] = [None] * len(leaves)
+    classes: dict[tuple[np.dtype, frozenset[str] | None], list[int]] = {}
     for i, leaf in enumerate(leaves):
         classes.setdefault((np.dtype(leaf.dtype), varying_axes(leaf)), []).append(i)
     for (dtype, _), members in classes.items():

@@ -5,12 +5,12 @@ fusions that differ only in the buffers they read are compiled once. A
 static slice offset is a constant inside the fusion, so the kernel that
 writes one leaf of a batch (``value[offset:offset + size]`` with the
 batch's decode fused in) differs from its neighbour's by that constant
-alone, and every leaf compiles a kernel of its own (with static offsets, 1-bit
-pairwise on 3 and then 12 copies of a small tree compiled 72 and then 132
-distinct kernels; `tests/test_buckets.py` checks they stay flat). With the offset
-an operand -- a runtime uint32 that XLA cannot fold -- the kernels of all
+alone, and every leaf compiles a kernel of its own: the program's code
+grows with the number of leaves (`_backend.CONSTANT_OFFSETS`; the counts
+are in docs/collectives.md#backend-workarounds). With the offset an
+operand -- a runtime uint32 that XLA cannot fold -- the kernels of all
 leaves of one shape in one batch are the same computation and compiled
-once (``python -m qcollect.bench compile``; `qcollect.collectives._buckets`).
+once (``python -m qcollect.bench compile``).
 
 The offsets come out of one variadic `lax.sort` of constant pairs ``[c,
 c]`` keyed on a value read at run time: any order of ``[c, c]`` is ``[c,
@@ -26,15 +26,17 @@ per batch, and one 2-value broadcast per offset.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 __all__ = ["runtime_offsets", "runtime_slices"]
 
 
-def runtime_offsets(anchor: jax.Array, offsets) -> dict[int, jax.Array]:
+def runtime_offsets(anchor: jax.Array, offsets: Iterable[int]) -> dict[int, jax.Array]:
     """``{offset: uint32 scalar}`` for every int in ``offsets``, computed at run
     time from the first value of ``anchor`` (whatever it is, NaN included).
 
@@ -48,15 +50,14 @@ def runtime_offsets(anchor: jax.Array, offsets) -> dict[int, jax.Array]:
     key = anchor.reshape(-1)[0]
     if key.dtype == jnp.bool_:
         key = key.astype(jnp.uint8)
-    # Broadcast scalars, not array literals: `jax.shard_map` passes every array
-    # literal into its body as an operand, and XLA's sharding propagation is
-    # quadratic in those.
+    # Broadcast scalars, not array literals (_backend.LITERAL_OPERANDS).
     pairs = tuple(lax.full((2,), o, jnp.uint32) for o in distinct)
     sorted_pairs = lax.sort((jnp.stack([key, key]),) + pairs, num_keys=1)[1:]
     return {o: pair[0] for o, pair in zip(distinct, sorted_pairs, strict=True)}
 
 
-def runtime_slices(x: jax.Array, starts, sizes, axis: int = 0) -> list[jax.Array]:
+def runtime_slices(x: jax.Array, starts: Sequence[int] | np.ndarray, sizes: Sequence[int],
+                   axis: int = 0) -> list[jax.Array]:
     """``[x[start:start + size] for ...]`` along ``axis``, with the starts as
     `runtime_offsets`.
 

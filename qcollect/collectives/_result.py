@@ -1,10 +1,15 @@
-"""`AllReduceResult`: what a compressed all-reduce returns, and each of its steps."""
+"""What the collectives take and return: `AxisName` and `AllReduceResult`."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Hashable
+from typing import Any, NamedTuple, TypeAlias
 
-__all__ = ["AllReduceResult"]
+__all__ = ["AllReduceResult", "AxisName"]
+
+#: A mapped axis of ``jax.shard_map`` or ``jax.pmap`` (a mesh axis name), or
+#: a tuple of them taken together.
+AxisName: TypeAlias = Hashable
 
 
 class AllReduceResult(NamedTuple):

@@ -23,8 +23,12 @@ same ``(N - 1)`` blocks per device as the ring gather.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from qcollect import _backend
@@ -36,34 +40,39 @@ from qcollect.collectives._buckets import (
 )
 from qcollect.collectives._layout import BUCKET_BYTES, plan_segments
 from qcollect.collectives._messages import send_packed
-from qcollect.collectives._result import AllReduceResult
+from qcollect.collectives._result import AllReduceResult, AxisName
+from qcollect.collectives._segments import Segment
 from qcollect.varying import cast_varying
 
 __all__ = [
     "all_gather_invariant",
+    "as_varying",
+    "chunk_rows",
     "exchange_chunks",
     "permute",
     "ring_all_gather",
     "ring_all_reduce",
     "ring_bytes_per_device",
     "ring_reduce_scatter",
+    "shift_right",
+    "split_chunks",
+    "take_chunk",
 ]
 
 
-def _ring_size(axis_name) -> int:
+def _ring_size(axis_name: AxisName) -> int:
     return int(lax.axis_size(axis_name))
 
 
-def permute(x, axis_name, perm):
+def permute(x: Any, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> Any:
     """`lax.ppermute` of a pytree as one message, 16-bit floats as 16-bit words.
 
-    The leaves travel as one buffer of words (`qcollect.collectives._messages.pack`):
-    one exchange per permutation, not one per leaf. XLA:CPU widens
-    bfloat16/float16 collective-permutes to float32, which would double
-    their wire bytes; a bit-identical uint16 view travels as is. Across
-    processes on the CPU backend, a permutation in which two devices send
-    to each other moves buffers over 256 KiB in 256 KiB pieces
-    (`qcollect._backend`, entries 1 and 2); the bytes on the wire are the same.
+    The leaves travel as one buffer of words, each viewed bit for bit: one
+    exchange per permutation, not one per leaf, and 16-bit floats as their
+    uint16 words, which no backend widens. Across processes on the CPU
+    backend, a permutation in which two devices send to each other moves
+    buffers over 256 KiB in 256 KiB pieces. The values and the bytes on the
+    wire are those of `lax.ppermute` (docs/collectives.md#backend-workarounds).
 
     Args:
       x: a pytree of arrays (any dtypes and shapes).
@@ -85,16 +94,17 @@ def permute(x, axis_name, perm):
       >>> out["w"].tolist(), out["b"].tolist()
       ([2.0, 3.0, 0.0, 1.0], [2.0, 1.0])
     """
+    # _backend.MESSAGE_PER_ARRAY, _backend.WIDE_16_BIT, _backend.SLOW_SWAPS.
     pieces = _backend.split_swaps(perm)
     send = _in_words(lambda a: _backend.ppermute_in_pieces(a, axis_name, perm, pieces))
     leaves, treedef = jax.tree.flatten(x)
     return jax.tree.unflatten(treedef, send_packed(send, leaves))
 
 
-def _in_words(move):
+def _in_words(move: Callable[[jax.Array], jax.Array]) -> Callable[[jax.Array], jax.Array]:
     """``move`` (a collective of one array) that sends 16-bit floats as their
-    bit-identical uint16 words (`qcollect._backend`, entry 1)."""
-    def moved(a):
+    bit-identical uint16 words (`_backend.WIDE_16_BIT`)."""
+    def moved(a: jax.Array) -> jax.Array:
         word = _backend.narrow_word(a.dtype)
         if word is None:
             return move(a)
@@ -102,17 +112,17 @@ def _in_words(move):
     return moved
 
 
-def exchange_chunks(x, axis_name):
+def exchange_chunks(x: Any, axis_name: AxisName) -> Any:
     """Every device's row ``me`` of ``x``, in one `lax.all_to_all`.
 
     Each leaf of ``x`` is stacked ``(N, ...)``, row ``j`` meant for device
     ``j`` of ``axis_name``; the result is like ``x``, its row ``s`` the row
     ``me`` that device ``s`` holds (row ``me`` its own). The leaves travel
-    as one buffer of words (`qcollect.collectives._messages.pack`), 16-bit floats as
-    their uint16 words (`qcollect._backend`, entry 1): one exchange in which
-    every device sends to every other at once, where N - 1 `permute` shifts
-    send one after the other (the pairwise exchange's two ways,
-    `qcollect.collectives._algorithms`). Each device sends ``(N - 1) / N`` of ``x``.
+    as one buffer of words, 16-bit floats as their uint16 words, as with
+    `permute`: one exchange in which every device sends to every other at
+    once, where N - 1 `permute` shifts send one after the other (the two
+    ``exchange`` settings of `qc.compressed_all_reduce`). Each device sends
+    ``(N - 1) / N`` of ``x``.
 
     References:
       Wang et al. (ZeRO++), 2023 <https://arxiv.org/abs/2306.10209>: qgZ,
@@ -133,21 +143,22 @@ def exchange_chunks(x, axis_name):
     return jax.tree.unflatten(treedef, send_packed(send, leaves, lead=1))
 
 
-def shift_right(x, axis_name, n: int):
+def shift_right(x: Any, axis_name: AxisName, n: int) -> Any:
     """Sends ``x`` (any pytree) one step along the ring: device r -> r + 1."""
     return permute(x, axis_name, [(i, (i + 1) % n) for i in range(n)])
 
 
-def as_varying(x, axis_name):
+def as_varying(x: Any, axis_name: AxisName) -> Any:
     """Marks ``x`` as varying along ``axis_name`` under shard_map's type check.
 
     Loop carries that pass through `lax.ppermute` are varying; an invariant
     initial value must be cast first. Outside shard_map (pmap) it is a no-op.
     """
-    return cast_varying(x, tuple(axis_name) if isinstance(axis_name, tuple) else (axis_name,))
+    axes: tuple[Any, ...] = tuple(axis_name) if isinstance(axis_name, tuple) else (axis_name,)
+    return cast_varying(x, axes)
 
 
-def all_gather_invariant(x: jax.Array, axis_name) -> jax.Array:
+def all_gather_invariant(x: jax.Array, axis_name: AxisName) -> jax.Array:
     """All-gather along the leading axis whose result is invariant along ``axis_name``.
 
     ``lax.all_gather(x, axis_name, tiled=True, to="invarying")``: device
@@ -155,8 +166,7 @@ def all_gather_invariant(x: jax.Array, axis_name) -> jax.Array:
     the type system knows the result is the same everywhere, so it can leave
     ``shard_map`` with ``out_specs=P()``. Each device sends its block to the
     ``N - 1`` others, the bytes of a ring all-gather. 16-bit floats travel as
-    their uint16 words (XLA:CPU widens bfloat16 collectives to float32:
-    `qcollect._backend`, entry 1).
+    their uint16 words, as with `permute`.
 
     Example:
       >>> import jax, jax.numpy as jnp, qcollect as qc
@@ -189,11 +199,12 @@ def split_chunks(x: jax.Array, n: int) -> jax.Array:
     return x.reshape((n, rows) + x.shape[1:])
 
 
-def take_chunk(chunks: jax.Array, index) -> jax.Array:
+def take_chunk(chunks: jax.Array, index: jax.Array | int) -> jax.Array:
+    """Chunk ``index`` (taken modulo the chunks) of stacked chunks."""
     return lax.dynamic_index_in_dim(chunks, index % chunks.shape[0], keepdims=False)
 
 
-def ring_reduce_scatter(x: jax.Array, axis_name) -> jax.Array:
+def ring_reduce_scatter(x: jax.Array, axis_name: AxisName) -> jax.Array:
     """Ring scatter-reduce along the leading axis.
 
     Args:
@@ -221,13 +232,13 @@ def ring_reduce_scatter(x: jax.Array, axis_name) -> jax.Array:
     # Step s: device r forwards its partial sum of chunk (r - s - 1) to r + 1,
     # which adds its own rows of that chunk. After N - 1 steps device r holds
     # the full sum of chunk r.
-    def step(s, acc):
+    def step(s: jax.Array, acc: jax.Array) -> jax.Array:
         return shift_right(acc, axis_name, n) + take_chunk(chunks, me - s - 2)
 
     return lax.fori_loop(0, n - 1, step, as_varying(take_chunk(chunks, me - 1), axis_name))
 
 
-def ring_all_gather(x: jax.Array, axis_name) -> jax.Array:
+def ring_all_gather(x: jax.Array, axis_name: AxisName) -> jax.Array:
     """Ring all-gather along the leading axis: ``(c, ...) -> (N * c, ...)``.
 
     Equals ``lax.all_gather(x, axis_name, tiled=True)``: device ``r``'s block
@@ -242,8 +253,8 @@ def ring_all_gather(x: jax.Array, axis_name) -> jax.Array:
         return x
     word = _backend.narrow_word(x.dtype)
     if word is not None:
-        # Gather 16-bit words: a float view converted after each hop would be
-        # fused into the buffer update, which then rewrites the whole buffer.
+        # Gather the words themselves (_backend.WIDE_16_BIT): a float view converted
+        # after each hop would be fused into the buffer update, rewriting the whole buffer.
         words = ring_all_gather(lax.bitcast_convert_type(x, word), axis_name)
         return lax.bitcast_convert_type(words, x.dtype)
     me = lax.axis_index(axis_name)
@@ -252,7 +263,7 @@ def ring_all_gather(x: jax.Array, axis_name) -> jax.Array:
     gathered = lax.dynamic_update_index_in_dim(gathered, x, me, 0)
 
     # Step s: the block received comes from device r - s - 1.
-    def step(s, carry):
+    def step(s: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         block, out = carry
         block = shift_right(block, axis_name, n)
         return block, lax.dynamic_update_index_in_dim(out, block, (me - s - 1) % n, 0)
@@ -261,8 +272,8 @@ def ring_all_gather(x: jax.Array, axis_name) -> jax.Array:
     return gathered.reshape((n * x.shape[0],) + x.shape[1:])
 
 
-def ring_all_reduce(x, axis_name, *, bucket_bytes: int | None = BUCKET_BYTES,
-                    batch_buckets: BatchBuckets = BATCH_BUCKETS):
+def ring_all_reduce(x: Any, axis_name: AxisName, *, bucket_bytes: int | None = BUCKET_BYTES,
+                    batch_buckets: BatchBuckets = BATCH_BUCKETS) -> Any:
     """Ring all-reduce (sum) of an array or pytree: equals ``lax.psum``.
 
     Every leaf is flattened, zero-padded to a multiple of N, scatter-reduced
@@ -283,7 +294,8 @@ def ring_all_reduce(x, axis_name, *, bucket_bytes: int | None = BUCKET_BYTES,
 
     Returns:
       The sum over devices, same structure, shapes and dtypes as ``x``,
-      invariant along ``axis_name`` (see the module docstring).
+      invariant along ``axis_name``, like `lax.psum`'s (it can leave
+      ``shard_map`` with ``out_specs=P()``).
 
     Example:
       >>> import functools, jax, jax.numpy as jnp, qcollect as qc
@@ -298,11 +310,12 @@ def ring_all_reduce(x, axis_name, *, bucket_bytes: int | None = BUCKET_BYTES,
     """
     leaves, treedef = jax.tree.flatten(x)
     leaves = [jnp.asarray(leaf) for leaf in leaves]
-    out = [None] * len(leaves)
+    out: list[Any] = [None] * len(leaves)
     n = _ring_size(axis_name)
     batch_buckets = check_batch_buckets(batch_buckets)
 
-    def reduce_bucket(chunks, valid, residual, *, key, layout):
+    def reduce_bucket(chunks: jax.Array, valid: np.ndarray | None, residual: jax.Array | None,
+                      *, key: jax.Array | None, layout: Segment) -> AllReduceResult:
         del valid, residual, key, layout
         summed = all_gather_invariant(ring_reduce_scatter(chunks.reshape(-1), axis_name),
                                       axis_name)

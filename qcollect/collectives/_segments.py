@@ -1,11 +1,18 @@
 """A segment: leaves reduced together as whole groups, cut into per-device chunks.
 
-`qcollect.collectives._layout` plans the segments; a segment lays its leaves out and
-back. `RowSegment` holds whole rows of ``width`` values (the ``"element"``
-and ``"bucket"`` groupings, and vectors shared by runs), `ColumnSegment`
-whole columns of the leaves' matrix views (``"column"``, and matrices shared
-by columns). Both count their length in *spans* (rows or columns) and cut
-it into buckets of ``n`` equal chunks (`Segment.parts`).
+`plan_segments` (the layout) plans the segments; a segment lays its leaves
+out and back. `RowSegment` holds whole rows of ``width`` values (the
+``"element"`` and ``"bucket"`` groupings, and vectors shared by runs),
+`ColumnSegment` whole columns of the leaves' matrix views (``"column"``,
+and matrices shared by columns). Both count their length in *spans* (rows
+or columns) and cut it into buckets of ``n`` equal chunks (`Segment.parts`).
+
+What differs between the two beyond the layout is a segment's own
+behaviour, so the algorithms never ask which kind they hold: how the ``n``
+chunks are coded at once (`Segment.chunk_map`: a vmap over contiguous
+chunks, a loop over strided column blocks) and whether a chunk can be cut
+into pipeline pieces (`Segment.pipeline_pieces`: runs of whole rows; a
+column chunk stays whole).
 """
 
 from __future__ import annotations
@@ -13,16 +20,36 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
-from typing import ClassVar
+from collections.abc import Sequence
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from qcollect.collectives._chunk_maps import LOOPED, VMAPPED, ChunkMap
 from qcollect.collectives._offsets import runtime_slices
 
-__all__ = ["ColumnSegment", "RowSegment", "Segment"]
+__all__ = ["ColumnSegment", "RowPiece", "RowSegment", "Segment"]
+
+
+class RowPiece(NamedTuple):
+    """Rows ``[lo, hi)`` of every device's chunk of a row segment's bucket:
+    one pipeline piece (`RowSegment.pipeline_pieces`)."""
+
+    layout: RowSegment
+    lo: int
+    hi: int
+    width: int
+
+    def cut(self, laid_out: jax.Array) -> jax.Array:
+        """The piece of a bucket's stacked chunks ``(n, per_chunk * width)``."""
+        return laid_out[:, self.lo * self.width:self.hi * self.width]
+
+    def rows(self, per_row: Any) -> Any:
+        """The piece of per-row values ``(n, per_chunk)`` (valid counts)."""
+        return per_row[:, self.lo:self.hi]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,12 +71,11 @@ class Segment(abc.ABC):
         segment is one bucket. A segment longer than ``n * bucket`` is
         reduced bucket by bucket (`parts`), each bucket cut into ``n``
         chunks of whole groups; equal buckets run as one batch
-        (`qcollect.collectives._buckets`).
+        (`reduce_buckets`).
     """
 
-    #: Whether chunks are column blocks of a side-by-side matrix (encoded one
-    #: by one, `qcollect.collectives._algorithms.Codec.round_trip_all`).
-    columns: ClassVar[bool]
+    #: How the collectives code this kind's ``n`` chunks at once.
+    chunk_map: ClassVar[ChunkMap]
 
     members: tuple[int, ...]
     shapes: tuple[tuple[int, ...], ...]
@@ -57,6 +83,11 @@ class Segment(abc.ABC):
     spans: tuple[int, ...]
     n: int
     bucket: int | None = None
+
+    @classmethod
+    @abc.abstractmethod
+    def planned(cls, *, unit: int, **fields: Any) -> Segment:
+        """A segment of this kind whose spans hold ``unit`` values each."""
 
     @property
     @abc.abstractmethod
@@ -103,7 +134,7 @@ class Segment(abc.ABC):
     def chunk_shape(self) -> tuple[int, ...]:
         """Shape of one device's chunk."""
 
-    def chunks(self, leaves) -> jax.Array:
+    def chunks(self, leaves: Sequence[Any]) -> jax.Array:
         """``(n, *chunk_shape)``: the member leaves laid out and cut into chunks.
 
         ``leaves`` is the whole list of leaves (only the members are read);
@@ -118,8 +149,13 @@ class Segment(abc.ABC):
         """``(n, *chunk_shape)``: the chunks of a `laid_out` array."""
 
     @abc.abstractmethod
-    def take(self, laid_out: jax.Array, j) -> jax.Array:
+    def take(self, laid_out: jax.Array, j: jax.Array | int) -> jax.Array:
         """Chunk ``j`` (traced, taken modulo ``n``) of a `laid_out` array."""
+
+    @abc.abstractmethod
+    def pipeline_pieces(self, pipeline: int) -> tuple[RowPiece, ...]:
+        """The pieces one bucket's chunks are cut into for ``pipeline`` runs
+        of whole spans each, or ``()`` when the chunks stay whole."""
 
     @property
     def _padded(self) -> int:
@@ -127,10 +163,10 @@ class Segment(abc.ABC):
         return sum(count * self.n * per_chunk for count, per_chunk in self.parts)
 
     @abc.abstractmethod
-    def _stream(self, leaves) -> jax.Array:
+    def _stream(self, leaves: Sequence[Any]) -> jax.Array:
         """The members one after the other, padded to `_padded` spans."""
 
-    def laid_out(self, leaves) -> jax.Array:
+    def laid_out(self, leaves: Sequence[Any]) -> jax.Array:
         """The members laid out for one bucket's chunks (`take` reads chunk
         ``j``). One bucket only (see `bucketed`)."""
         self._check_single()
@@ -139,10 +175,11 @@ class Segment(abc.ABC):
     def _laid_out_stream(self, stream: jax.Array) -> jax.Array:
         return stream
 
-    def bucketed(self, leaves) -> list[jax.Array]:
+    def bucketed(self, leaves: Sequence[Any]) -> list[jax.Array]:
         """Per `parts` entry, its buckets stacked (`_bucket_run`)."""
         stream = self._stream(leaves)
-        out, offset = [], 0
+        out: list[jax.Array] = []
+        offset = 0
         for count, per_chunk in self.parts:
             size = count * self.n * per_chunk
             out.append(self._bucket_run(stream, offset, size, count, per_chunk))
@@ -150,7 +187,7 @@ class Segment(abc.ABC):
         return out
 
     @abc.abstractmethod
-    def _bucket_run(self, stream, offset: int, size: int, count: int,
+    def _bucket_run(self, stream: jax.Array, offset: int, size: int, count: int,
                     per_chunk: int) -> jax.Array:
         """The ``count`` buckets of ``size`` spans from span ``offset`` of
         the `_stream`, stacked."""
@@ -161,7 +198,7 @@ class Segment(abc.ABC):
         return self.unbucketed([chunks[None]])
 
     @abc.abstractmethod
-    def unbucketed(self, parts) -> list[jax.Array]:
+    def unbucketed(self, parts: Sequence[jax.Array]) -> list[jax.Array]:
         """Inverse of `bucketed` for stacked chunks: per `parts` entry an
         array ``(count, n, *chunk_shape)``; returns the members' arrays,
         padding dropped."""
@@ -190,8 +227,12 @@ class RowSegment(Segment):
     last row zero-padded), stacked row after row; a device's chunk is
     ``per_chunk`` whole rows, one flat array of ``per_chunk * width``."""
 
-    columns: ClassVar[bool] = False
+    chunk_map: ClassVar[ChunkMap] = VMAPPED
     width: int
+
+    @classmethod
+    def planned(cls, *, unit: int, **fields: Any) -> RowSegment:
+        return cls(width=unit, **fields)
 
     @property
     def unit(self) -> int:
@@ -204,10 +245,25 @@ class RowSegment(Segment):
     def stacked(self, laid_out: jax.Array) -> jax.Array:
         return laid_out
 
-    def take(self, laid_out: jax.Array, j) -> jax.Array:
+    def take(self, laid_out: jax.Array, j: jax.Array | int) -> jax.Array:
         return lax.dynamic_index_in_dim(laid_out, j % self.n, keepdims=False)
 
-    def _stream(self, leaves) -> jax.Array:
+    def pipeline_pieces(self, pipeline: int) -> tuple[RowPiece, ...]:
+        """Runs of whole rows, at most ``pipeline`` and at most a chunk's rows."""
+        rows = self.per_chunk
+        count = min(pipeline, rows)
+        if count <= 1:
+            return ()
+        bounds = [rows * k // count for k in range(count + 1)]
+        return tuple(RowPiece(self._piece(hi - lo), lo, hi, self.width)
+                     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True))
+
+    def _piece(self, rows: int) -> RowSegment:
+        """The layout of one pipeline piece: ``rows`` rows per chunk."""
+        return RowSegment(members=(0,), shapes=((self.n * rows * self.unit,),),
+                          dtype=self.dtype, width=self.unit, spans=(self.n * rows,), n=self.n)
+
+    def _stream(self, leaves: Sequence[Any]) -> jax.Array:
         """A flat run of the members' rows, padded to `_padded` rows."""
         parts = [jnp.asarray(leaves[i]) for i in self.members]
         flats = []
@@ -224,12 +280,13 @@ class RowSegment(Segment):
         """The ``(n, *chunk_shape)`` chunks themselves."""
         return stream.reshape((self.n,) + self.chunk_shape)
 
-    def _bucket_run(self, stream, offset, size, count, per_chunk):
+    def _bucket_run(self, stream: jax.Array, offset: int, size: int, count: int,
+                    per_chunk: int) -> jax.Array:
         """``(count, n, per_chunk * width)`` chunks."""
         part = stream[offset * self.width:(offset + size) * self.width]
         return part.reshape(count, self.n, per_chunk * self.width)
 
-    def unbucketed(self, parts) -> list[jax.Array]:
+    def unbucketed(self, parts: Sequence[jax.Array]) -> list[jax.Array]:
         pieces = [p.reshape(-1) for p in parts]
         starts = np.cumsum([0] + [span * self.width for span in self.spans[:-1]])
         members = _cut(pieces, [int(s) for s in starts],
@@ -237,7 +294,7 @@ class RowSegment(Segment):
         return [m.reshape(shape) for m, shape in zip(members, self.shapes, strict=True)]
 
     def bucket_valid(self) -> list[np.ndarray] | None:
-        counts = []
+        counts: list[np.ndarray] = []
         partial = False
         for shape, rows in zip(self.shapes, self.spans, strict=True):
             row = np.full(rows, self.width, np.int32)
@@ -249,7 +306,8 @@ class RowSegment(Segment):
             return None
         counts.append(np.zeros(self._padded - self.length, np.int32))
         flat = np.concatenate(counts)
-        out, offset = [], 0
+        out: list[np.ndarray] = []
+        offset = 0
         for count, per_chunk in self.parts:
             size = count * self.n * per_chunk
             out.append(flat[offset:offset + size].reshape(count, self.n, per_chunk))
@@ -263,8 +321,12 @@ class ColumnSegment(Segment):
     device's chunk is ``per_chunk`` whole columns, a ``(rows, per_chunk)``
     matrix read straight from the side-by-side matrix (`take`)."""
 
-    columns: ClassVar[bool] = True
+    chunk_map: ClassVar[ChunkMap] = LOOPED
     rows: int
+
+    @classmethod
+    def planned(cls, *, unit: int, **fields: Any) -> ColumnSegment:
+        return cls(rows=unit, **fields)
 
     @property
     def unit(self) -> int:
@@ -277,11 +339,17 @@ class ColumnSegment(Segment):
     def stacked(self, laid_out: jax.Array) -> jax.Array:
         return laid_out.reshape(self.rows, self.n, -1).transpose(1, 0, 2)
 
-    def take(self, laid_out: jax.Array, j) -> jax.Array:
+    def pipeline_pieces(self, pipeline: int) -> tuple[RowPiece, ...]:
+        """``()``: a column segment's chunks stay whole (``pipeline`` cuts
+        row segments only)."""
+        del pipeline
+        return ()
+
+    def take(self, laid_out: jax.Array, j: jax.Array | int) -> jax.Array:
         return lax.dynamic_slice_in_dim(laid_out, (j % self.n) * self.per_chunk,
                                         self.per_chunk, axis=1)
 
-    def _stream(self, leaves) -> jax.Array:
+    def _stream(self, leaves: Sequence[Any]) -> jax.Array:
         """The ``(rows, _padded)`` matrix of the members' columns side by
         side (chunk ``j`` of one bucket is columns ``[j c, (j + 1) c)``)."""
         parts = [jnp.asarray(leaves[i]) for i in self.members]
@@ -291,20 +359,22 @@ class ColumnSegment(Segment):
             mats.append(jnp.zeros((self.rows, pad), parts[0].dtype))
         return mats[0] if len(mats) == 1 else jnp.concatenate(mats, axis=1)
 
-    def _bucket_run(self, stream, offset, size, count, per_chunk):
+    def _bucket_run(self, stream: jax.Array, offset: int, size: int, count: int,
+                    per_chunk: int) -> jax.Array:
         """``(count, rows, n * per_chunk)`` side-by-side matrices (one copy of
         the columns, only when there is more than one bucket)."""
         part = stream[:, offset:offset + size] if size != stream.shape[1] else stream
         return part.reshape(self.rows, count, self.n * per_chunk).transpose(1, 0, 2)
 
-    def unbucketed(self, parts) -> list[jax.Array]:
+    def unbucketed(self, parts: Sequence[jax.Array]) -> list[jax.Array]:
         pieces = [p.transpose(2, 0, 1, 3).reshape(self.rows, -1) for p in parts]
         starts = np.cumsum([0] + list(self.spans[:-1]))
         members = _cut(pieces, [int(s) for s in starts], list(self.spans), axis=1)
         return [m.reshape(shape) for m, shape in zip(members, self.shapes, strict=True)]
 
 
-def _cut(pieces, starts, sizes, axis: int) -> list[jax.Array]:
+def _cut(pieces: Sequence[jax.Array], starts: Sequence[int], sizes: Sequence[int],
+         axis: int) -> list[jax.Array]:
     """Members ``[start, start + size)`` along ``axis`` of ``pieces`` laid end
     to end (a segment's decoded parts).
 
@@ -320,7 +390,7 @@ def _cut(pieces, starts, sizes, axis: int) -> list[jax.Array]:
         h = min(int(np.searchsorted(bounds, start, side="right")) - 1, len(pieces) - 1)
         if start + size <= bounds[h + 1]:
             homes[b] = h
-    members: list = [None] * len(starts)
+    members: list[Any] = [None] * len(starts)
     for h, piece in enumerate(pieces):
         mine = [b for b, home in homes.items() if home == h]
         local = [starts[b] - int(bounds[h]) for b in mine]

@@ -26,7 +26,7 @@ ZeRO++ quantizes the weights block-wise to int8 with round-to-nearest:
 
 Several leaves travel together: one message per shift (or one all-to-all,
 one all-gather) carries every leaf's payloads packed into words
-(`qcollect.collectives._messages`).
+(`send_packed`, `_backend.MESSAGE_PER_ARRAY`).
 
 Two axes ``(outer, inner)`` (nodes and the devices inside one, as for the
 all-reduce) reduce-scatter hierarchically, as qgZ's two hops: an
@@ -49,6 +49,8 @@ from __future__ import annotations
 
 import functools
 import operator
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -56,16 +58,22 @@ from jax import lax
 
 from qcollect._config import check_choice, per_leaf
 from qcollect._payload import Compressor
-from qcollect.collectives._algorithms import EXCHANGES, Exchange, _gather, _received
-from qcollect.collectives._compressed import _hierarchy
-from qcollect.collectives._hierarchical import _reduce_scatter
-from qcollect.collectives._result import AllReduceResult
+from qcollect.collectives._algorithms import (
+    EXCHANGES,
+    Exchange,
+    gather_payloads,
+    received_payloads,
+)
+from qcollect.collectives._compressed import hierarchy_axes
+from qcollect.collectives._hierarchical import reduce_scatter_inside_node
+from qcollect.collectives._result import AllReduceResult, AxisName
 from qcollect.collectives._ring import as_varying
 
 __all__ = ["compressed_all_gather", "compressed_reduce_scatter"]
 
 
-def _dimensions(leaves, treedef, dimension, name: str) -> list[int]:
+def _dimensions(leaves: Sequence[jax.Array], treedef: Any, dimension: Any,
+                name: str) -> list[int]:
     """Each leaf's dimension, normalised to ``0 <= d < ndim``: ``dimension``
     is one int for every leaf or a pytree of ints shaped like ``x``."""
     dims = per_leaf(treedef, dimension,
@@ -81,7 +89,9 @@ def _dimensions(leaves, treedef, dimension, name: str) -> list[int]:
     return out
 
 
-def _prepared(tree, axis_name, compressor, key, exchange: str, dimension, name: str):
+def _prepared(tree: Any, axis_name: AxisName, compressor: Compressor, key: jax.Array | None,
+              exchange: object, dimension: Any,
+              name: str) -> tuple[jax.Array, int, list[jax.Array], Any, list[int]]:
     """The arguments checked: ``(this device's key, N, leaves, treedef, each
     leaf's dimension)``."""
     if not isinstance(compressor, Compressor):
@@ -97,7 +107,7 @@ def _prepared(tree, axis_name, compressor, key, exchange: str, dimension, name: 
     return key, int(lax.axis_size(axis_name)), leaves, treedef, dims
 
 
-def _blocks(leaf, d: int, n: int):
+def _blocks(leaf: jax.Array, d: int, n: int) -> jax.Array:
     """``leaf`` cut along ``d`` into ``n`` blocks, stacked ``(n, *block_shape)``."""
     if leaf.shape[d] % n:
         raise ValueError(f"dimension {d} of a leaf of shape {tuple(leaf.shape)} has "
@@ -107,7 +117,7 @@ def _blocks(leaf, d: int, n: int):
     return jnp.moveaxis(moved.reshape((n, moved.shape[0] // n) + moved.shape[1:]), 1, d + 1)
 
 
-def _joined(blocks, d: int):
+def _joined(blocks: jax.Array, d: int) -> jax.Array:
     """The inverse of `_blocks`: ``(n, *block_shape)`` -> one array, the blocks
     side by side along ``d``."""
     n = blocks.shape[0]
@@ -115,12 +125,13 @@ def _joined(blocks, d: int):
     return jnp.moveaxis(moved.reshape((n * moved.shape[1],) + moved.shape[2:]), 0, d)
 
 
-def _keys(key, n: int, leaf_index: int):
+def _keys(key: jax.Array, n: int, leaf_index: int) -> jax.Array:
     leaf_key = jax.random.fold_in(key, leaf_index)
     return jax.vmap(lambda j: jax.random.fold_in(leaf_key, j))(jnp.arange(n))
 
 
-def _scatter_blocks(stacks, axis_name, compressor: Compressor, key, exchange: str):
+def _scatter_blocks(stacks: Sequence[jax.Array], axis_name: AxisName, compressor: Compressor,
+                    key: jax.Array, exchange: Exchange) -> tuple[list[jax.Array], list[jax.Array]]:
     """Every leaf's ``n`` stacked blocks (``n`` the size of ``axis_name``)
     reduce-scattered: ``(sums of block me, decoded blocks)`` per leaf, the
     sums in float32. One exchange carries all leaves' payloads."""
@@ -130,15 +141,17 @@ def _scatter_blocks(stacks, axis_name, compressor: Compressor, key, exchange: st
     me = lax.axis_index(axis_name)
     coded = [jax.vmap(compressor.round_trip)(s, _keys(key, n, i)) for i, s in enumerate(stacks)]
     payloads = [p for p, _ in coded]
-    received = _received(payloads, axis_name, n, me, exchange)
+    received = received_payloads(payloads, axis_name, n, me, exchange)
+    # One payload at a time, one fused pass (_backend.DECODES_ADDED_ONE_BY_ONE).
     sums = [functools.reduce(operator.add, [compressor.decode(r[i]).astype(jnp.float32)
                                             for r in received])
             for i in range(len(stacks))]
     return sums, [decoded for _, decoded in coded]
 
 
-def compressed_reduce_scatter(x, axis_name, compressor: Compressor, key=None, *,
-                              scatter_dimension=0, mean: bool = False,
+def compressed_reduce_scatter(x: Any, axis_name: AxisName, compressor: Compressor,
+                              key: jax.Array | None = None, *, scatter_dimension: Any = 0,
+                              mean: bool = False,
                               exchange: Exchange = "permute") -> AllReduceResult:
     """Reduce-scatter of an array or pytree with every block compressed once.
 
@@ -146,15 +159,17 @@ def compressed_reduce_scatter(x, axis_name, compressor: Compressor, key=None, *,
     of ``axis_name``); device ``k`` gets the sum over devices of block ``k``,
     as ``lax.psum_scatter(leaf, axis_name, scatter_dimension=d, tiled=True)``
     would give (bit for bit with ``qc.identity()`` where the sum is exact).
-    Every block is encoded once by its origin, on its own (module
-    docstring), and decoded and added by its owner.
+    Every block is encoded once by its origin, on its own (buckets,
+    columns and scales never span two devices' shards), and decoded and
+    added by its owner
+    (docs/collectives.md#sharded-training-reduce-scatter-and-all-gather).
 
     Args:
       x: array or pytree of arrays, this device's full-size contribution
         (a gradient). Leaves of integer dtype are not compressible.
       axis_name: the mapped axis, or ``(outer, inner)``: uncompressed inside
-        a node, compressed across nodes (module docstring); the shards are
-        those of ``P((outer, inner))``.
+        a node, compressed across nodes; the shards are those of
+        ``P((outer, inner))``.
       compressor: any qcollect `Compressor`.
       key: PRNG key for stochastic compressors (the same on every device;
         it is folded with the device, the leaf and the block).
@@ -195,7 +210,7 @@ def compressed_reduce_scatter(x, axis_name, compressor: Compressor, key=None, *,
       Wang et al. (ZeRO++), 2023 <https://arxiv.org/abs/2306.10209>, qgZ;
       Dryden et al., MLHPC 2016, section 3.4.
     """
-    axes = _hierarchy(axis_name)
+    axes = hierarchy_axes(axis_name)
     key, n, leaves, treedef, dims = _prepared(x, axis_name, compressor, key, exchange,
                                               scatter_dimension, "scatter_dimension")
     stacks = [_blocks(leaf, d, n) for leaf, d in zip(leaves, dims, strict=True)]
@@ -214,7 +229,9 @@ def compressed_reduce_scatter(x, axis_name, compressor: Compressor, key=None, *,
     return AllReduceResult(treedef.unflatten(values), treedef.unflatten(contributed), None)
 
 
-def _scatter_hierarchical(stacks, axes, compressor: Compressor, key, exchange: str):
+def _scatter_hierarchical(stacks: Sequence[jax.Array], axes: tuple[AxisName, AxisName],
+                          compressor: Compressor, key: jax.Array,
+                          exchange: Exchange) -> tuple[list[jax.Array], list[jax.Array]]:
     """`_scatter_blocks` over ``(outer, inner)``: block ``m L + l`` (node
     ``m``, local device ``l``) summed uncompressed inside the node by local
     device ``l``, then reduce-scattered compressed over ``outer``. The
@@ -224,11 +241,11 @@ def _scatter_hierarchical(stacks, axes, compressor: Compressor, key, exchange: s
     nodes, local = int(lax.axis_size(outer)), int(lax.axis_size(inner))
     me = lax.axis_index(inner)
 
-    def grid(s):  # (n, ...) -> (L, M, ...): row l holds blocks m L + l
+    def grid(s: jax.Array) -> jax.Array:  # (n, ...) -> (L, M, ...): row l holds blocks m L + l
         return jnp.swapaxes(s.reshape((nodes, local) + s.shape[1:]), 0, 1)
 
     varying = [as_varying(s, inner) for s in stacks]
-    shares = [_reduce_scatter(grid(s), inner) for s in varying]
+    shares = [reduce_scatter_inside_node(grid(s), inner) for s in varying]
     sums, decoded = _scatter_blocks(shares, outer, compressor, key, exchange)
     contributed = []
     for s, share, dec in zip(varying, shares, decoded, strict=True):
@@ -240,8 +257,9 @@ def _scatter_hierarchical(stacks, axes, compressor: Compressor, key, exchange: s
     return sums, contributed
 
 
-def compressed_all_gather(shard, axis_name, compressor: Compressor, key=None, *,
-                          gather_dimension=0) -> AllReduceResult:
+def compressed_all_gather(shard: Any, axis_name: AxisName, compressor: Compressor,
+                          key: jax.Array | None = None, *,
+                          gather_dimension: Any = 0) -> AllReduceResult:
     """All-gather of an array or pytree, each shard encoded once by its owner.
 
     Device ``k``'s shard of each leaf lands at block ``k`` of the leaf's
@@ -284,7 +302,7 @@ def compressed_all_gather(shard, axis_name, compressor: Compressor, key=None, *,
                                               gather_dimension, "gather_dimension")
     live = [i for i, leaf in enumerate(leaves) if leaf.size]
     coded = [compressor.round_trip(leaves[i], jax.random.fold_in(key, i)) for i in live]
-    gathered = _gather(axis_name, [p for p, _ in coded]) if live else []
+    gathered = gather_payloads(axis_name, [p for p, _ in coded]) if live else []
     values = [jnp.zeros(leaf.shape[:d] + (n * leaf.shape[d],) + leaf.shape[d + 1:],
                         leaf.dtype) for leaf, d in zip(leaves, dims, strict=True)]
     contributed = list(leaves)

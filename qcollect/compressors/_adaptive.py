@@ -11,7 +11,7 @@ quickselect; neither sorts the group). It sends exactly ``s+`` and
 ``s-`` entries, equal magnitudes going to the lower index.
 
 Sampled mode (``sample=m``) is the paper's speed-up: ``m`` entries per
-group drawn uniformly with replacement (`qcollect.compressors._random.hash_bits`);
+group drawn uniformly with replacement (a counter-based hash of the key);
 ``tau+`` is the ``max(1, round(m+ / pi))``-th largest non-negative
 sample, ``tau-`` likewise for the negative samples, and the means are
 the means of the samples at or beyond them. Every entry with
@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import ClassVar, Literal
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +64,7 @@ from qcollect.coding._sparse import (
     top_mask,
 )
 from qcollect.compressors._groups import (
+    GroupLayout,
     Groups,
     bucket_or_column_groups,
     overflow_safe_scale,
@@ -109,7 +110,7 @@ class AdaptiveCompressor(Compressor):
 
 
 def adaptive(proportion: float = 64.0, *, sample: int | None = None,
-             grouping: Literal["column", "bucket"] = "column",
+             grouping: GroupLayout = "column",
              bucket_size: int = 512, capacity_scale: float | None = None,
              coding: Coding = "words", rice_k: int | None = None) -> AdaptiveCompressor:
     """Adaptive quantization: send the largest ``1/proportion`` of each sign per group.
@@ -124,13 +125,12 @@ def adaptive(proportion: float = 64.0, *, sample: int | None = None,
     one-bit quantization (section 3.1). Entries travel as the sparse words of
     threshold quantization (sign bit + 31-bit index) or Golomb-Rice coded
     (section 3.3: "amenable to delta coding and compression"). Error
-    feedback lives in the optax layer. The module docstring details the
-    selections and the static capacity: when more entries pass than the
-    slots hold, the largest ``|v|`` are sent, the rest stay in the residual.
+    feedback lives in the optax layer. When more entries pass than the
+    static slots hold, the largest ``|v|`` are sent and the rest stay in the
+    residual (docs/compressors.md#adaptive-selection-and-capacity).
 
-    Non-finite input: the header word carries a flag set when the input holds
-    NaN or Inf (a NaN is neither >= 0 nor < 0 and would never be sent); decode
-    then returns all NaN.
+    Non-finite input sets a flag in the header word (a NaN is neither >= 0
+    nor < 0 and would never be sent); decode then returns all NaN.
 
     Payload (``C`` slots, ``G`` groups): ``coding="words"`` sends
     ``4 * C + 4 + 8 * G`` bytes; ``"golomb_rice"`` replaces the ``4 * C``
@@ -146,7 +146,7 @@ def adaptive(proportion: float = 64.0, *, sample: int | None = None,
         kernel) or ``"bucket"``.
       bucket_size: values per bucket, >= 1; used by ``grouping="bucket"``.
       capacity_scale: float >= 1, slots per group relative to
-        ``ceil(c_g / pi)`` (module docstring); None: 1.0 exact, 1.25 sampled.
+        ``ceil(c_g / pi)``; None: 1.0 exact, 1.25 sampled.
       coding: ``"words"`` or ``"golomb_rice"``.
       rice_k: Rice parameter 0..30 for ``"golomb_rice"`` (None: automatic).
 
@@ -159,8 +159,8 @@ def adaptive(proportion: float = 64.0, *, sample: int | None = None,
     References:
       Dryden, Moon, Jacobs, Van Essen, `Communication Quantization for
       Data-parallel Training of Deep Neural Networks
-      <https://doi.org/10.1109/MLHPC.2016.004>`_, MLHPC 2016, section 3.3,
-      footnote 1; section 3.1 for the means.
+      <https://doi.org/10.1109/MLHPC.2016.004>`_, MLHPC 2016, section 3.3
+      and footnote 1 (3.1 for the means).
 
     Example:
       >>> import jax.numpy as jnp, qcollect as qc
@@ -180,8 +180,9 @@ def adaptive(proportion: float = 64.0, *, sample: int | None = None,
     name += f"/{coding}" + ("" if rice_k is None else f"/k{rice_k}")
     name += "" if sample is None else f"/sample{sample}"
     name += f"/cap{scale!r}"
-    static = {"name": name, "proportion": pi, "grouping": grouping, "bucket_size": bucket_size,
-              "capacity_scale": scale, "coding": coding, "rice_k": rice_k}
+    static: dict[str, Any] = {"name": name, "proportion": pi, "grouping": grouping,
+                              "bucket_size": bucket_size, "capacity_scale": scale,
+                              "coding": coding, "rice_k": rice_k}
     return AdaptiveCompressor(
         name, functools.partial(_encode, sample=sample, **static),
         functools.partial(_decode, **static), linear=False, stochastic=sample is not None,
@@ -197,7 +198,7 @@ def _capacity(groups: Groups, pi: float, scale: float) -> int:
     return int(np.minimum(groups.counts, slots).sum())
 
 
-def _signed_keys(flat, groups: Groups):
+def _signed_keys(flat: jax.Array, groups: Groups) -> tuple[jax.Array, jax.Array]:
     """``(magnitude keys, their signed view)``: ``+key`` for ``v >= 0``, ``-key``
     for ``v < 0``, 0 for NaN and for padding (never a candidate)."""
     mag = magnitude_keys(flat)
@@ -209,7 +210,9 @@ def _signed_keys(flat, groups: Groups):
     return mag, kview
 
 
-def _select(x, key, kview, mag, groups: Groups, cap: int, *, pi: float, sample: int | None):
+def _select(x: jax.Array, key: jax.Array | None, kview: jax.Array, mag: jax.Array,
+            groups: Groups, cap: int, *, pi: float,
+            sample: int | None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Exact (`_exact`) or sampled (`_sampled_thresholds`) selection:
     ``(idx, count, means)`` of the entries sent."""
     if sample is None:
@@ -225,8 +228,9 @@ def _select(x, key, kview, mag, groups: Groups, cap: int, *, pi: float, sample: 
     return idx, count, means
 
 
-def _encode(x, key=None, *, valid=None, name: str, proportion: float, sample: int | None,
-            grouping: str, bucket_size: int, capacity_scale: float, coding: str,
+def _encode(x: jax.Array, key: jax.Array | None = None, *, valid: jax.Array | None = None,
+            name: str, proportion: float, sample: int | None, grouping: GroupLayout,
+            bucket_size: int, capacity_scale: float, coding: Coding,
             rice_k: int | None) -> Payload:
     x = jnp.asarray(x)
     check_floating_input(x)
@@ -245,8 +249,9 @@ def _encode(x, key=None, *, valid=None, name: str, proportion: float, sample: in
     return Payload(arrays, tuple(x.shape), x.dtype, name)
 
 
-def _decode(payload, *, name: str, proportion: float, grouping: str, bucket_size: int,
-            capacity_scale: float, coding: str, rice_k: int | None):
+def _decode(payload: Payload, *, name: str, proportion: float, grouping: GroupLayout,
+            bucket_size: int, capacity_scale: float, coding: Coding,
+            rice_k: int | None) -> jax.Array:
     """Each sent entry as the mean of its group and sign; 0 elsewhere."""
     check_format(payload, name)
     groups = bucket_or_column_groups(payload.shape, grouping, bucket_size)
@@ -275,7 +280,8 @@ def _int_view(keys: jax.Array, groups: Groups) -> jax.Array:
     return keys.reshape(groups.view)
 
 
-def _exact(sides: jax.Array, groups: Groups, pi: float, x: jax.Array):
+def _exact(sides: jax.Array, groups: Groups, pi: float,
+           x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Per group and sign, the ``ceil(count / pi)`` largest ``|v|``; their means.
 
     Args:
@@ -292,8 +298,8 @@ def _exact(sides: jax.Array, groups: Groups, pi: float, x: jax.Array):
     ``pi = 64`` on columns of up to 16K rows), `lax.top_k` on the magnitudes
     of a group-major copy gives the entries and their values directly (it
     returns equal values lower index first). Otherwise the thresholds come
-    from the bisection of `qcollect.coding._sparse.top_mask`. Ties go to the lower
-    index either way.
+    from the 31-step bisection on integer keys of the sparse coding
+    (``top_mask``). Ties go to the lower index either way.
     """
     axis = 1 + groups.axis
     cand = jnp.sum(sides > 0, axis=axis, dtype=jnp.int32)  # (2, G)
@@ -310,8 +316,8 @@ def _exact(sides: jax.Array, groups: Groups, pi: float, x: jax.Array):
         means = unscaled(sums / jnp.maximum(jnp.sum(sent, axis=axis, dtype=jnp.int32), 1), c)
         return (sent[0] | sent[1]).reshape(-1), means
     major = sides if groups.axis == 1 else jnp.swapaxes(sides, 1, 2)
-    # Float magnitudes (XLA:CPU's top_k is ~10x faster on float32 than on
-    # int32): key - 1 is the bit pattern of |v|; non-candidates become -1.
+    # Float magnitudes (_backend.TOP_K_ON_FLOATS): key - 1 is the bit
+    # pattern of |v|; non-candidates become -1.
     mags = jnp.where(major > 0, lax.bitcast_convert_type(major - 1, jnp.float32), -1.0)
     top, pos = lax.top_k(mags, k_max)  # (2, G, k_max), largest first
     take = jnp.arange(k_max) < k[:, :, None]
@@ -332,7 +338,8 @@ def _per_side(count: jax.Array, pi: float) -> jax.Array:
     return jnp.ceil(count.astype(jnp.float32) / jnp.float32(pi)).astype(jnp.int32)
 
 
-def _sampled_thresholds(picks: jax.Array, pi: float):
+def _sampled_thresholds(picks: jax.Array,
+                        pi: float) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Key thresholds and means per group from ``(G, m)`` samples (section 3.3).
 
     Returns ``(t_pos, t_neg, means)``: int32 keys with ``v >= 0`` sent when its

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import ClassVar
+from typing import Any, ClassVar, Literal
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -15,6 +16,8 @@ from qcollect._payload import Compressor, Payload, check_format
 __all__ = ["CastCompressor", "identity", "cast"]
 
 CAST_DTYPES = ("bfloat16", "float16")
+#: The wire dtypes of `cast`, by name.
+CastDtype = Literal["bfloat16", "float16"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False, kw_only=True)
@@ -25,7 +28,7 @@ class CastCompressor(Compressor):
       dtype: the wire dtype's name, ``"bfloat16"`` or ``"float16"``.
     """
 
-    dtype: str
+    dtype: CastDtype
 
     setting_names: ClassVar[tuple[str, ...]] = ("dtype",)
 
@@ -34,6 +37,12 @@ def identity() -> Compressor:
     """The uncompressed baseline: the payload is the array itself.
 
     Linear (payloads sum exactly as the arrays do), deterministic, any dtype.
+    It is the reference every compressor is measured against, and
+    `compressed_all_reduce` with it equals ``lax.psum``.
+
+    Returns:
+      A linear, deterministic `Compressor` whose wire format is ``identity``
+      (``n * itemsize`` bytes for ``n`` values).
 
     Example:
       >>> import jax.numpy as jnp, qcollect as qc
@@ -45,25 +54,34 @@ def identity() -> Compressor:
                       stochastic=False)
 
 
-def _identity_encode(x, key=None) -> Payload:
+def _identity_encode(x: jax.Array, key: jax.Array | None = None) -> Payload:
     x = jnp.asarray(x)
     return Payload({"x": x}, tuple(x.shape), x.dtype, "identity")
 
 
-def _identity_decode(payload):
+def _identity_decode(payload: Payload) -> jax.Array:
     check_format(payload, "identity")
     return payload["x"]
 
 
-def cast(dtype) -> CastCompressor:
+def cast(dtype: CastDtype | Any) -> CastCompressor:
     """Round to a 16-bit float on the wire; decode casts back.
 
-    Args:
-      dtype: ``"bfloat16"`` or ``"float16"`` (or the jnp dtypes).
+    Halves the bytes of float32 gradients at the cost of one rounding (8
+    significant bits for bfloat16, 11 for float16). Finite values beyond
+    float16's range (65504) are saturated to it, not sent as inf; NaN and
+    Inf pass as they are. The compressor is linear: payloads may be summed
+    in the narrow dtype, with one rounding per addition.
 
-    float16 overflows to +/-inf above 65504: that is reported as non-finite
-    output, never clipped. The compressor is linear: payloads may be summed in
-    the narrow dtype, with one rounding per addition.
+    Args:
+      dtype: ``"bfloat16"`` or ``"float16"``, or the matching jnp dtype.
+
+    Returns:
+      A linear, deterministic `CastCompressor` (``2 n`` bytes for ``n``
+      values); its ``dtype`` setting is the name.
+
+    Raises:
+      ValueError: another dtype.
 
     Example:
       >>> import jax.numpy as jnp, qcollect as qc
@@ -81,7 +99,8 @@ def cast(dtype) -> CastCompressor:
                           stochastic=False, dtype=dtype_name)
 
 
-def _cast_encode(x, key=None, *, name: str, wire_name: str) -> Payload:
+def _cast_encode(x: jax.Array, key: jax.Array | None = None, *, name: str,
+                 wire_name: str) -> Payload:
     """``x`` rounded to the ``wire_name`` dtype, finite values saturated to its range."""
     wire = jnp.dtype(wire_name)
     x = jnp.asarray(x)
@@ -94,6 +113,6 @@ def _cast_encode(x, key=None, *, name: str, wire_name: str) -> Payload:
     return Payload({"x": x.astype(wire)}, tuple(x.shape), x.dtype, name)
 
 
-def _cast_decode(payload, *, name: str):
+def _cast_decode(payload: Payload, *, name: str) -> jax.Array:
     check_format(payload, name)
     return payload["x"].astype(payload.dtype)

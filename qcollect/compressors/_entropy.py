@@ -45,9 +45,8 @@ Static shapes: ``N`` and the Huffman stream length depend on the data.
   with one plan for the whole batch (e.g. the largest of a vmapped
   ``plan``).
 
-Decoding a Huffman stream is sequential within a block; on a 2-core CPU
-1M values decode in about 5-25 ms (block sizes 256 to 4096, and about
-the same for one block: XLA runs the scan loop tightly on CPU).
+Decoding a Huffman stream is sequential within a block (decode times in
+docs/compressors.md#entropy-payload-and-plans).
 
 Groups: the whole array is one group (Oland & Raj code each weight
 matrix on its own). In `qcollect.compressed_all_reduce` a leaf is never
@@ -67,7 +66,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -151,10 +150,39 @@ class EntropyCompressor(_EntropySettings):
         and plans are, and each plan is its own static `jax.jit` argument.
     """
 
-    def plan(self, x, key=None, *, valid=None) -> EntropyPlan:
+    def plan(self, x: jax.Array, key: jax.Array | None = None, *,
+             valid: jax.Array | None = None) -> EntropyPlan:
+        """The exact sizes an encoding of ``x`` needs (Algorithm 1, lines 3-9).
+
+        Runs the analysis of ``encode`` (range, entropy sample, bit-width,
+        Huffman code) without writing the stream. Jittable and vmappable.
+
+        Args:
+          x: the floating-point array to be encoded.
+          key: the PRNG key ``encode`` will get (needed when
+            ``sample_fraction < 1``).
+          valid: one int32 count: the real values of ``x`` (the rest is
+            padding), as ``encode`` takes it.
+
+        Returns:
+          An `EntropyPlan` of int32 scalars; ``jax.tree.map(int, plan)``
+          turns it into the static ints `with_plan` takes.
+        """
         return self.codec.plan(x, key, valid=valid)
 
-    def with_plan(self, plan) -> PlannedEntropyCompressor:
+    def with_plan(self, plan: EntropyPlan | tuple[int, int]) -> PlannedEntropyCompressor:
+        """The compressor whose payloads have exactly ``plan``'s sizes.
+
+        Args:
+          plan: ``(bits, words)`` as concrete ints, ``bits`` in
+            ``[floor, ceiling]``.
+
+        Returns:
+          A `PlannedEntropyCompressor`, the same object for the same plan.
+
+        Raises:
+          ValueError: ``plan`` is not two concrete ints in range.
+        """
         return self.codec.with_plan(plan)
 
 
@@ -197,9 +225,10 @@ def entropy(*, sample_fraction: float = 0.03, prelim_bits: int = 4, floor: int =
        canonical code is rebuilt from the lengths (Algorithm 2, line 2).
 
     Decoding (Algorithm 2) needs only the payload:
-    ``w_min + (w_max - w_min) (q + 0.5) / 2**N``. The module docstring lists
-    the payload arrays and their sizes, and how a plan (``c.plan``, then
-    ``c.with_plan``) replaces the worst-case sizes of the unplanned encode.
+    ``w_min + (w_max - w_min) (q + 0.5) / 2**N``. The payload arrays, their
+    sizes, and how a plan (``c.plan``, then ``c.with_plan``) replaces the
+    worst-case sizes of the unplanned encode are in
+    docs/compressors.md#entropy-payload-and-plans.
 
     Args:
       sample_fraction: ``F`` in (0, 1]; at 1 every value is used once and no
@@ -253,12 +282,11 @@ class EntropyCodec:
     """The entropy quantizer of one set of settings: plan, encode, decode.
 
     Every compressor it makes (the unplanned one and one per plan) holds it
-    as ``codec`` and encodes and decodes through it. (The collectives bind
-    any compressor to a segment's padding counts in another type,
-    `qcollect.collectives._algorithms.Codec`.)
+    as ``codec`` and encodes and decodes through it.
     """
 
-    def __init__(self, fraction, prelim, floor, ceiling, huffman, block):
+    def __init__(self, fraction: float, prelim: int, floor: int, ceiling: int, huffman: bool,
+                 block: int | None) -> None:
         self.fraction, self.prelim, self.floor = fraction, prelim, floor
         self.ceiling, self.huffman, self.block = ceiling, huffman, block
         self.stochastic = fraction < 1.0
@@ -266,12 +294,12 @@ class EntropyCodec:
                      + (f"huffman/{block or 'whole'}" if huffman else "raw"))
         self._planned = functools.lru_cache(maxsize=64)(self._make_planned)
 
-    def settings(self) -> dict:
+    def settings(self) -> dict[str, Any]:
         """The entropy compressor's settings, by name."""
         values = (self.fraction, self.prelim, self.floor, self.ceiling, self.huffman, self.block)
         return dict(zip(_SETTINGS, values, strict=True))
 
-    def with_plan(self, plan) -> PlannedEntropyCompressor:
+    def with_plan(self, plan: EntropyPlan | tuple[int, int]) -> PlannedEntropyCompressor:
         """The compressor for one plan; the same plan returns the same object."""
         try:
             bits, words = (int(v) for v in plan)
@@ -300,7 +328,8 @@ class EntropyCodec:
         return self.block or max(n, 1)
 
     # -- analysis shared by plan and encode ---------------------------------
-    def _bits(self, flat, w_min, w_max, key, real=None):
+    def _bits(self, flat: jax.Array, w_min: jax.Array, w_max: jax.Array,
+              key: jax.Array | None, real: jax.Array | None = None) -> jax.Array:
         """Algorithm 1, lines 4-5: ``N = clip(ceil(H + c))``, int32 scalar."""
         if self.stochastic:
             require_key(key, "entropy(sample_fraction < 1)")
@@ -309,11 +338,13 @@ class EntropyCodec:
         n_bits = jnp.ceil(h + (self.floor - ROUND_TOL)).astype(jnp.int32)
         return jnp.clip(n_bits, self.floor, self.ceiling)
 
-    def _codebook(self, q, symbols: int):
+    def _codebook(self, q: jax.Array, symbols: int) -> tuple[jax.Array, jax.Array]:
         lengths = hf.code_lengths(jnp.bincount(q, length=symbols))
         return lengths, hf.canonical_codes(lengths)
 
-    def plan(self, x, key=None, *, valid=None) -> EntropyPlan:
+    def plan(self, x: jax.Array, key: jax.Array | None = None, *,
+             valid: jax.Array | None = None) -> EntropyPlan:
+        """`EntropyCompressor.plan`."""
         flat = flat_values(x)
         real = real_count(valid)
         w_min, w_max = extremes(flat, real)
@@ -329,8 +360,9 @@ class EntropyCodec:
         return EntropyPlan(n_bits, words)
 
     # -- encode / decode ----------------------------------------------------
-    def encode(self, x, key=None, *, plan: EntropyPlan | None = None,
-               valid=None) -> Payload:
+    def encode(self, x: jax.Array, key: jax.Array | None = None, *,
+               plan: EntropyPlan | None = None, valid: jax.Array | None = None) -> Payload:
+        """Algorithm 1: worst-case sizes, or a plan's (`with_plan`)."""
         if plan is not None:
             return self.with_plan(plan).encode(x, key, valid=valid)
         flat = flat_values(x)
@@ -348,14 +380,16 @@ class EntropyCodec:
             masks_padding=True, variant=self.variant, codec=self,
             plan=EntropyPlan(bits, words), **self.settings())
 
-    def _encode_planned(self, x, key=None, *, valid=None, bits: int, words: int,
+    def _encode_planned(self, x: jax.Array, key: jax.Array | None = None, *,
+                        valid: jax.Array | None = None, bits: int, words: int,
                         name: str) -> Payload:
         """Encode sized by a plan: ``2**bits`` code lengths, ``words`` stream words."""
         flat = flat_values(x)
         w_min, w_max = extremes(flat, real_count(valid))
         return self._pack(x, flat, w_min, w_max, jnp.int32(bits), 2**bits, words, name)
 
-    def _pack(self, x, flat, w_min, w_max, n_bits, symbols, words, name) -> Payload:
+    def _pack(self, x: jax.Array, flat: jax.Array, w_min: jax.Array, w_max: jax.Array,
+              n_bits: jax.Array, symbols: int, words: int, name: str) -> Payload:
         q = quantize(flat, w_min, w_max, n_bits)
         arrays = {"bits": n_bits.astype(jnp.uint32)[None]}
         if self.huffman:

@@ -1,6 +1,6 @@
 """Oland & Raj's statistics of one array: its range, its min-max bins and
 the entropy estimate that sets the bit-width (Algorithm 1: QUANTIZE and the
-sampled entropy ``H``; `qcollect.compressors._entropy` builds the compressor on them).
+sampled entropy ``H``; `qcollect.entropy` builds the compressor on them).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ ROUND_TOL = 1e-4
 MAX_BITS = hf.MAX_CODE_LENGTH
 
 
-def flat_values(x) -> jax.Array:
+def flat_values(x: jax.Array) -> jax.Array:
     """``x`` flattened to float32, checked (floating, few enough values)."""
     x = jnp.asarray(x)
     check_floating_input(x)
@@ -34,7 +34,7 @@ def flat_values(x) -> jax.Array:
     return x.reshape(-1).astype(jnp.float32)
 
 
-def real_count(valid):
+def real_count(valid: jax.Array | None) -> jax.Array | None:
     """The real count of a ``valid`` array of one group (None: all real)."""
     if valid is None:
         return None
@@ -45,12 +45,13 @@ def real_count(valid):
     return valid[0]
 
 
-def extremes(flat, real=None):
+def extremes(flat: jax.Array,
+             real: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """``w_min, w_max`` of the real values (the first ``real``; 0, 0 if none)."""
     if flat.shape[0] == 0:
         return jnp.float32(0.0), jnp.float32(0.0)
-    # NaN and Inf reach the range however the min and max reduce (entry 4 of
-    # `qcollect._backend`).
+    # NaN and Inf reach the range however the min and max reduce
+    # (_backend.MAX_DROPS_NAN).
     if real is None:
         return (propagate_nonfinite(jnp.min(flat), flat, axis=0),
                 propagate_nonfinite(jnp.max(flat), flat, axis=0))
@@ -62,7 +63,8 @@ def extremes(flat, real=None):
     return jnp.where(none, 0.0, w_min), jnp.where(none, 0.0, w_max)
 
 
-def quantize(values, w_min, w_max, bits):
+def quantize(values: jax.Array, w_min: jax.Array, w_max: jax.Array,
+             bits: jax.Array | int) -> jax.Array:
     """Algorithm 1, QUANTIZE (with ``w - w_min``): uint32 bin indices."""
     levels = jnp.left_shift(jnp.uint32(1), jnp.asarray(bits, jnp.uint32))
     # Halves: w_max - w_min can overflow float32 while its half cannot; the
@@ -74,7 +76,8 @@ def quantize(values, w_min, w_max, bits):
     return jnp.minimum(jnp.floor(t).astype(jnp.uint32), levels - 1)
 
 
-def sample_indices(key, n: int, fraction: float, real=None) -> jax.Array:
+def sample_indices(key: jax.Array | None, n: int, fraction: float,
+                   real: jax.Array | None = None) -> jax.Array:
     """Indices of the entropy sample: ``ceil(F n)`` uniform draws with
     replacement, from the first ``real`` values when given (traced)."""
     m = min(n, math.ceil(fraction * n))
@@ -85,7 +88,7 @@ def sample_indices(key, n: int, fraction: float, real=None) -> jax.Array:
     return hash_bits(key, (m,)) % bound
 
 
-def entropy_bits(codes, bins: int):
+def entropy_bits(codes: jax.Array, bins: int) -> jax.Array:
     """Entropy in bits of the histogram of ``codes`` over ``bins`` bins."""
     count = jnp.bincount(codes, length=bins).astype(jnp.float32)
     p = count / jnp.maximum(jnp.sum(count), 1.0)

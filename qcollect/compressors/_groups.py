@@ -21,13 +21,16 @@ and padding chunks hold zero padding after their real values).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from qcollect.compressors._random import hash_bits
+
+#: The two layouts a compressor with per-group statistics chooses between.
+GroupLayout = Literal["bucket", "column"]
 
 
 class Groups(NamedTuple):
@@ -74,11 +77,27 @@ def matrix_view(shape: tuple[int, ...]) -> tuple[int, int]:
     """``(rows, cols)`` of an array's matrix view: the last axis is the columns.
 
     A vector is one column, a scalar a 1x1 matrix; higher ranks flatten every
-    axis but the last into rows (channels-last, as Flax lays out kernels).
-    The same view is PowerSGD's default (`qcollect.powersgd_matrix_shape`).
+    axis but the last into rows (channels-last, as Flax lays out kernels), so
+    a column of a Dense kernel ``(in, out)`` or a conv kernel
+    ``(kh, kw, in, out)`` holds all the weights into one output unit. The
+    compressors with ``grouping="column"`` (`qcollect.onebit`,
+    `qcollect.adaptive`) compute one statistic per column of this view, as
+    CNTK's 1-bit SGD does per column of a weight matrix. The same view is
+    PowerSGD's default (`qcollect.powersgd_matrix_shape`).
+
+    Args:
+      shape: the array's shape.
+
+    Returns:
+      ``(rows, cols)``, a row-major reshape of the array.
+
+    References:
+      Dryden et al., MLHPC 2016, section 3.1; Grubic et al., EDBT 2018,
+      section 3.2.1.
 
     Example:
-      >>> matrix_view((3, 3, 16, 32)), matrix_view((10,)), matrix_view(())
+      >>> import qcollect as qc
+      >>> qc.matrix_view((3, 3, 16, 32)), qc.matrix_view((10,)), qc.matrix_view(())
       ((144, 32), (10, 1), (1, 1))
     """
     if len(shape) == 0:
@@ -95,13 +114,13 @@ def column_groups(shape: tuple[int, ...]) -> Groups:
                   counts=np.full(cols, rows, np.int64))
 
 
-def bucket_or_column_groups(shape: tuple[int, ...], grouping: str,
+def bucket_or_column_groups(shape: tuple[int, ...], grouping: GroupLayout,
                             bucket_size: int) -> Groups:
     """`bucket_groups` for ``grouping="bucket"``, else `column_groups`."""
     return bucket_groups(shape, bucket_size) if grouping == "bucket" else column_groups(shape)
 
 
-def with_valid(groups: Groups, valid) -> Groups:
+def with_valid(groups: Groups, valid: jax.Array | None) -> Groups:
     """``groups`` with traced real counts per group (None: unchanged)."""
     if valid is None:
         return groups
@@ -146,11 +165,9 @@ def group_sums(view: jax.Array, groups: Groups, scale: float = 1.0) -> jax.Array
     (`overflow_safe_scale` keeps them finite).
 
     A product with a vector of ones (at full float32 precision) rather than a
-    sum reduction: XLA:CPU runs the product as one read of the view, where a
-    reduction of the same view beside the other statistics of an encoding
-    was fused with the broadcast of its result and written out in full, which
-    made a 1-bit error-feedback round trip twice as slow (see
-    ``python -m qcollect.bench quantizers``).
+    sum reduction, which XLA:CPU fused with the broadcast of its result and
+    wrote out in full (`_backend.REDUCTION_INPUTS_WRITTEN`; measured in
+    docs/compressors.md#one-bit-encoding-in-one-pass).
     """
     ones = jnp.full((groups.view[groups.axis],), scale, jnp.float32)
     if groups.axis == 1:
@@ -177,7 +194,8 @@ def to_view(x: jax.Array, groups: Groups) -> jax.Array:
     return flat.reshape(groups.view)
 
 
-def from_view(view: jax.Array, groups: Groups, shape, dtype) -> jax.Array:
+def from_view(view: jax.Array, groups: Groups, shape: tuple[int, ...],
+              dtype: Any) -> jax.Array:
     """Inverse of `to_view`: strips padding, restores shape and dtype."""
     return view.reshape(-1)[: groups.size].reshape(shape).astype(dtype)
 
@@ -195,7 +213,8 @@ def view_codes(codes: jax.Array, groups: Groups) -> jax.Array:
     return codes.reshape(groups.view)
 
 
-def sample_within_groups(view: jax.Array, groups: Groups, key, m: int) -> jax.Array:
+def sample_within_groups(view: jax.Array, groups: Groups, key: jax.Array,
+                         m: int) -> jax.Array:
     """``(num_groups, m)`` entries drawn uniformly, with replacement, per group."""
     if groups.size == 0:
         return jnp.zeros((groups.num_groups, m), jnp.float32)

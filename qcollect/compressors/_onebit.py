@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -20,6 +21,8 @@ from qcollect._config import check_choice, check_floating_input, check_int, requ
 from qcollect._payload import Compressor, Payload, check_format
 from qcollect.coding._packing import pack_bits, unpack_bits
 from qcollect.compressors._groups import (
+    GroupLayout,
+    Groups,
     bucket_or_column_groups,
     flat_codes,
     from_view,
@@ -52,7 +55,7 @@ class OneBitCompressor(Compressor):
     setting_names: ClassVar[tuple[str, ...]] = ("grouping", "bucket_size", "sample")
 
 
-def onebit(*, grouping: Literal["bucket", "column"] = "bucket", bucket_size: int = 64,
+def onebit(*, grouping: GroupLayout = "bucket", bucket_size: int = 64,
            sample: int | None = None) -> OneBitCompressor:
     """Seide 1-bit quantization: one sign bit per value, two means per group.
 
@@ -65,7 +68,7 @@ def onebit(*, grouping: Literal["bucket", "column"] = "bucket", bucket_size: int
 
     Groups:
       * ``grouping="column"``: per column of the weight matrix, as CNTK does
-        (first dim = rows, the rest flattened into columns; Dryden 3.1).
+        (Dryden 3.1): the columns of `qcollect.matrix_view`, the last axis.
       * ``grouping="bucket"``: per bucket of ``bucket_size`` consecutive values
         after flattening, Grubic's reshaped 1bitSGD* (section 3.2.2; bucket 64
         is the size the paper uses for its results).
@@ -129,7 +132,8 @@ def onebit(*, grouping: Literal["bucket", "column"] = "bucket", bucket_size: int
         bucket_size=bucket_size, sample=sample)
 
 
-def _nonnegative_counts(view, groups, bits, grouping: str, bucket_size: int):
+def _nonnegative_counts(view: jax.Array, groups: Groups, bits: jax.Array,
+                        grouping: GroupLayout, bucket_size: int) -> jax.Array:
     """Real non-negatives per group: a popcount of the packed sign words
     when every bucket is whole uint32 words (the tail's padding bits are
     0; padding zeros inside the view, as `valid` marks, are 1 and are
@@ -142,14 +146,16 @@ def _nonnegative_counts(view, groups, bits, grouping: str, bucket_size: int):
         if not isinstance(groups.counts, np.ndarray):
             ones = ones - (bucket_size - groups.counts)
         return ones.astype(jnp.float32)
-    # Only unary and same-shape binary ops feed reductions: XLA:CPU
-    # materialises scalar operands such as (v >= 0) as full arrays.
+    # Only unary and same-shape binary ops feed reductions
+    # (_backend.REDUCTION_INPUTS_WRITTEN).
     # |sign v| - sign v is 2 for negatives and 0 otherwise.
     sign = jnp.sign(view)
     return groups.counts - 0.5 * jnp.sum(jnp.abs(sign) - sign, axis=groups.axis)
 
 
-def _exact_means(view, groups, bits, grouping: str, bucket_size: int, sums=None):
+def _exact_means(view: jax.Array, groups: Groups, bits: jax.Array, grouping: GroupLayout,
+                 bucket_size: int,
+                 sums: tuple[jax.Array, ...] | None = None) -> tuple[jax.Array, jax.Array]:
     """The means of each group's non-negative and of its negative values;
     ``sums``: ``(non-negative sums, sums)`` times the `overflow_safe_scale`
     of the group length, when `_bucket_statistics` has them already."""
@@ -170,7 +176,8 @@ def _exact_means(view, groups, bits, grouping: str, bucket_size: int, sums=None)
             unscaled(neg_sum / jnp.maximum(neg_cnt, 1), c))
 
 
-def _bucket_statistics(view, groups):
+def _bucket_statistics(view: jax.Array,
+                       groups: Groups) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """Packed sign bits, and each bucket's sums of its non-negative values and
     of all its values (times the `overflow_safe_scale` of the bucket), from
     one read of the view: one reduction of three operands over each run of
@@ -180,9 +187,9 @@ def _bucket_statistics(view, groups):
     The same words as ``pack_bits(flat_codes(view >= 0))`` (padding after
     the last real value packs as 0), and sums in another order than two
     reductions of their own would take. Those three reductions (the words,
-    the non-negative sums and a product with ones, `group_sums`) each read
-    the view: three passes over the gradient on XLA:CPU, against one
-    (``python -m qcollect.bench passes``).
+    the non-negative sums and a product with ones, `group_sums`) would each
+    read the view, three passes where this is one
+    (`_backend.REDUCTION_INPUTS_WRITTEN`).
     """
     rows, width = groups.view
     c = overflow_safe_scale(width)
@@ -194,7 +201,7 @@ def _bucket_statistics(view, groups):
     shifts = jnp.arange(32, dtype=jnp.uint32)
     scaled = runs * c
 
-    def add(a, b):
+    def add(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         return a[0] | b[0], a[1] + b[1], a[2] + b[2]
 
     words, pos, total = lax.reduce(
@@ -202,14 +209,14 @@ def _bucket_statistics(view, groups):
         (jnp.uint32(0), jnp.float32(0), jnp.float32(0)), add, (2,))
     bits = words.reshape(-1)[: -(-groups.size // 32)]
     # The runs of a bucket are added by a product with ones, as `group_sums`
-    # does: a reduction here is fused by XLA:CPU with the broadcast of the
-    # means that a round trip decodes, and written out in full.
+    # does (_backend.REDUCTION_INPUTS_WRITTEN).
     ones = jnp.ones((width // 32,), jnp.float32)
     return bits, tuple(jnp.matmul(s, ones, precision=lax.Precision.HIGHEST)
                        for s in (pos, total))
 
 
-def _sampled_means(view, groups, key, sample: int):
+def _sampled_means(view: jax.Array, groups: Groups, key: jax.Array,
+                   sample: int) -> tuple[jax.Array, jax.Array]:
     """The two means of ``sample`` entries per group drawn with replacement."""
     c = overflow_safe_scale(sample)
     picks = sample_within_groups(view, groups, key, sample) * c
@@ -221,8 +228,9 @@ def _sampled_means(view, groups, key, sample: int):
     return unscaled(pos_mean, c) + poison, unscaled(neg_mean, c) + poison
 
 
-def _encoded(x, key, valid, *, name: str, grouping: str, bucket_size: int,
-             sample: int | None):
+def _encoded(x: jax.Array, key: jax.Array | None, valid: jax.Array | None, *, name: str,
+             grouping: GroupLayout, bucket_size: int,
+             sample: int | None) -> tuple[Payload, jax.Array, Groups]:
     """(payload, the group view, its groups): the view feeds `_encode_decoded`."""
     x = jnp.asarray(x)
     check_floating_input(x)
@@ -243,24 +251,28 @@ def _encoded(x, key, valid, *, name: str, grouping: str, bucket_size: int,
     return payload, view, groups
 
 
-def _reconstruct(nonnegative, payload, groups):
+def _reconstruct(nonnegative: jax.Array, payload: Payload, groups: Groups) -> jax.Array:
     """Every value replaced by the mean of its side."""
     view = jnp.where(nonnegative, groups.expand(payload["pos"]),
                      groups.expand(payload["neg"]))
     return from_view(view, groups, payload.shape, payload.dtype)
 
 
-def _encode(x, key=None, *, valid=None, **static) -> Payload:
+def _encode(x: jax.Array, key: jax.Array | None = None, *, valid: jax.Array | None = None,
+            **static: Any) -> Payload:
     return _encoded(x, key, valid, **static)[0]
 
 
-def _encode_decoded(x, key=None, *, valid=None, **static):
+def _encode_decoded(x: jax.Array, key: jax.Array | None = None, *,
+                    valid: jax.Array | None = None,
+                    **static: Any) -> tuple[Payload, jax.Array]:
     # The signs come from the view, not from unpacking the bits just packed.
     payload, view, groups = _encoded(x, key, valid, **static)
     return payload, _reconstruct(view >= 0, payload, groups)
 
 
-def _decode(payload, *, name: str, grouping: str, bucket_size: int):
+def _decode(payload: Payload, *, name: str, grouping: GroupLayout,
+            bucket_size: int) -> jax.Array:
     check_format(payload, name)
     groups = bucket_or_column_groups(payload.shape, grouping, bucket_size)
     signs = view_codes(unpack_bits(payload["bits"], 1, groups.size), groups)

@@ -71,7 +71,8 @@ __all__ = ["PCACompressor", "pca"]
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _scaled_project(view, u, mu, num_workers):
+def _scaled_project(view: jax.Array, u: jax.Array, mu: jax.Array | None,
+                    num_workers: int) -> jax.Array:
     """``(view - mu / N) @ u`` with slices that could overflow scaled down first.
 
     Per slice, ``|coeff| <= 2 max(|g|, |mu|) K max|U|``: where that could
@@ -88,24 +89,28 @@ def _scaled_project(view, u, mu, num_workers):
     return unscale(jnp.matmul(view, u, precision=_HIGHEST), e)
 
 
-def _reconstruct_exponents(coeffs, weight, u, mu, num_workers):
+def _reconstruct_exponents(coeffs: jax.Array, weight: jax.Array | None, u: jax.Array,
+                           mu: jax.Array | None, num_workers: int) -> jax.Array:
     """Per slice, the power of two that keeps ``coeffs @ u^T + w mu / N`` below
     ``2**OVERFLOW_EXPONENT`` (0 for most): ``|U g'| <= d max|g'| max|U|``,
     plus ``|w mu / N|``."""
     bound = (binary_exponent(jnp.max(jnp.abs(coeffs), axis=1)) + max_exponent(u)
              + bit_length(u.shape[1]))
     if mu is not None:
+        assert weight is not None, "a payload encoded with a mean carries its weight"
         weight = weight * (1.0 / num_workers)
         bound = jnp.maximum(bound, binary_exponent(jnp.abs(weight)) + max_exponent(mu)) + 1
     return downscale_exponent(bound)[:, None]
 
 
-def _scaled_reconstruct(coeffs, weight, u, mu, num_workers):
+def _scaled_reconstruct(coeffs: jax.Array, weight: jax.Array | None, u: jax.Array,
+                        mu: jax.Array | None, num_workers: int) -> jax.Array:
     """``coeffs @ u^T + w mu / N`` with slices that could overflow scaled down
     first (`_reconstruct_exponents`)."""
     e = _reconstruct_exponents(coeffs, weight, u, mu, num_workers)
     view = jnp.matmul(rescale(coeffs, e), u.T, precision=_HIGHEST)
     if mu is not None:
+        assert weight is not None, "a payload encoded with a mean carries its weight"
         view = view + (weight * (1.0 / num_workers)) * rescale(mu, e)
     return unscale(view, e)
 
@@ -127,11 +132,12 @@ class PCACompressor(Compressor):
     setting_names: ClassVar[tuple[str, ...]] = ("basis", "mean", "num_workers")
 
 
-def pca(basis, mean=None, *, num_workers: int) -> PCACompressor:
+def pca(basis: jax.Array, mean: jax.Array | None = None, *,
+        num_workers: int) -> PCACompressor:
     """GradiVeQ's linear compressor over slices of ``K`` adjacent values.
 
-    The array is flattened row-major (see the module docstring for conv
-    kernels) and cut into ``floor(size / K)`` full slices; each slice ``g``
+    The array is flattened row-major (conv kernels: docs/compressors.md#gradiveq)
+    and cut into ``floor(size / K)`` full slices; each slice ``g``
     is sent as ``g' = U_d^T (g - mu / N)`` (eq. 3), ``d`` float32 words.
     Payload arrays:
 
@@ -140,8 +146,8 @@ def pca(basis, mean=None, *, num_workers: int) -> PCACompressor:
       raw as float32 (lossless; absent when ``K`` divides the size). An array
       shorter than ``K`` is all tail and is not compressed.
     * ``weight``: one float32 ``1.0`` (only when ``mean`` is given), so that
-      the decode of summed payloads adds ``mu`` once (module docstring,
-      "Linearity").
+      the decode of summed payloads adds ``mu`` once (the decode is then
+      linear in the payload).
 
     Payload size: ``4 * (num_slices * d + size mod K + [mean given])`` bytes,
     so the wire shrinks by about ``K / d`` (eq. 3, ``r = K / d``).
@@ -208,22 +214,26 @@ def pca(basis, mean=None, *, num_workers: int) -> PCACompressor:
                          num_workers=num_workers)
 
 
-def _project(view, u, mu, num_workers):
+def _project(view: jax.Array, u: jax.Array, mu: jax.Array | None,
+             num_workers: int) -> jax.Array:
     """``(view - mu / N) @ u``: eq. (3) for every slice (row) of ``view``."""
     if mu is not None:
         view = view - mu * (1.0 / num_workers)
     return jnp.matmul(view, u, precision=_HIGHEST)
 
 
-def _reconstruct(coeffs, weight, u, mu, num_workers):
+def _reconstruct(coeffs: jax.Array, weight: jax.Array | None, u: jax.Array,
+                 mu: jax.Array | None, num_workers: int) -> jax.Array:
     """``coeffs @ u^T + w mu / N``: eq. (5) for every slice."""
     view = jnp.matmul(coeffs, u.T, precision=_HIGHEST)
     if mu is not None:
+        assert weight is not None, "a payload encoded with a mean carries its weight"
         view = view + (weight * (1.0 / num_workers)) * mu
     return view
 
 
-def _encode(x, key=None, *, name: str, u, mu, num_workers: int) -> Payload:
+def _encode(x: jax.Array, key: jax.Array | None = None, *, name: str, u: jax.Array,
+            mu: jax.Array | None, num_workers: int) -> Payload:
     """The coefficients of the full slices, the raw tail and the weight."""
     x = jnp.asarray(x)
     check_floating_input(x)
@@ -243,7 +253,8 @@ def _encode(x, key=None, *, name: str, u, mu, num_workers: int) -> Payload:
     return Payload(arrays, tuple(x.shape), x.dtype, name)
 
 
-def _decode(payload, *, name: str, u, mu, num_workers: int):
+def _decode(payload: Payload, *, name: str, u: jax.Array, mu: jax.Array | None,
+            num_workers: int) -> jax.Array:
     """The reconstructed slices followed by the raw tail."""
     check_format(payload, name)
     slice_size = u.shape[0]

@@ -5,8 +5,8 @@ Aggregation in Distributed CNN Training" (NeurIPS 2018), section 3: the
 ``L_t`` sampled ``K``-value slices are whitened by their mean ``mu`` and the
 basis ``U_d`` is the top ``d`` eigenvectors of their covariance, ``d`` the
 smallest rank whose explained energy reaches ``1 - lambda`` (eq. 6). The
-compressor built from the fit is `qcollect.pca` (`qcollect.compressors._pca`, whose
-module docstring describes host planning and capped ranks).
+compressor built from the fit is `qcollect.pca`; docs/compressors.md#gradiveq
+describes host planning and capped ranks.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ from qcollect.compressors._scaling import (
 )
 
 __all__ = ["PCAFit", "pca_fit"]
+
+#: Which slices of each sample `pca_fit` fits on.
+Slices = Literal["first", "all"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -57,7 +60,7 @@ class PCAFit(NamedTuple):
     energy: jax.Array
 
 
-def _check_loss_threshold(value) -> float:
+def _check_loss_threshold(value: Any) -> float:
     ok = isinstance(value, (int, float, np.floating)) and not isinstance(value, bool)
     if not ok or not (0.0 <= float(value) < 1.0):
         raise ValueError(f"loss_threshold must be a number in [0, 1), got {value!r}")
@@ -73,7 +76,7 @@ def _eq6_rank(energy: jax.Array, loss_threshold: float) -> jax.Array:
     return jnp.clip(short + 1, 1, energy.shape[0])
 
 
-def _sample_slices(samples: jax.Array, slice_size: int, slices: str) -> jax.Array:
+def _sample_slices(samples: jax.Array, slice_size: int, slices: Slices) -> jax.Array:
     """``(num_samples, ...)`` samples -> float32 ``(rows, K)`` slice matrix."""
     flat = samples.reshape(samples.shape[0], -1).astype(jnp.float32)
     length = flat.shape[1]
@@ -84,7 +87,8 @@ def _sample_slices(samples: jax.Array, slice_size: int, slices: str) -> jax.Arra
 
 
 @functools.partial(jax.jit, static_argnames=("slice_size", "slices"))
-def _spectrum(samples, slice_size, slices):
+def _spectrum(samples: jax.Array, slice_size: int,
+              slices: Slices) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Mean, eigenvectors (decreasing eigenvalue) and explained-energy curve.
 
     Squares of values above about ``1e19`` overflow float32 (the covariance
@@ -101,14 +105,14 @@ def _spectrum(samples, slice_size, slices):
     spread = 2 + max(bit_length(rows.shape[0]), bit_length(slice_size))
     e = jnp.clip((OVERFLOW_EXPONENT - spread) // 2 - max_exponent(rows), -126, 0)
 
-    def scaled(rows, e):
+    def scaled(rows: jax.Array, e: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         mean, eigvecs, energy = _eig(rescale(rows, e))
         return rescale(mean, -e), eigvecs, energy
 
     return unless_overflow(_eig(rows), scaled, rows, e, overflowed=e != 0)
 
 
-def _eig(rows):
+def _eig(rows: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     mean = jnp.mean(rows, axis=0)
     centred = rows - mean
     cov = jnp.matmul(centred.T, centred, precision=_HIGHEST) / rows.shape[0]
@@ -118,7 +122,9 @@ def _eig(rows):
     return mean, jnp.flip(eigvecs, axis=1), energy
 
 
-def _check_fit_settings(slice_size, loss_threshold, rank, max_rank, slices: str):
+def _check_fit_settings(slice_size: int, loss_threshold: float | None, rank: int | None,
+                        max_rank: int | None,
+                        slices: Slices) -> tuple[int, float | None, int | None, int | None]:
     """`pca_fit`'s validated ``(slice_size, loss_threshold, rank, max_rank)``."""
     slice_size = check_int("slice_size", slice_size, low=1)
     check_choice("slices", slices, ("first", "all"))
@@ -135,7 +141,7 @@ def _check_fit_settings(slice_size, loss_threshold, rank, max_rank, slices: str)
     return slice_size, loss_threshold, rank, max_rank
 
 
-def _check_samples(samples, slice_size: int, host: bool) -> jax.Array:
+def _check_samples(samples: jax.Array, slice_size: int, host: bool) -> jax.Array:
     """``samples`` as an array of at least one sample of at least ``slice_size``
     values, concrete where the rank is planned on the host."""
     samples = jnp.asarray(samples)
@@ -152,9 +158,9 @@ def _check_samples(samples, slice_size: int, host: bool) -> jax.Array:
     return samples
 
 
-def pca_fit(samples, *, slice_size: int, loss_threshold: float | None = None,
+def pca_fit(samples: jax.Array, *, slice_size: int, loss_threshold: float | None = None,
             rank: int | None = None, max_rank: int | None = None,
-            slices: Literal["first", "all"] = "first") -> PCAFit:
+            slices: Slices = "first") -> PCAFit:
     """Fits GradiVeQ's compressor ``U_d`` and whitening vector ``mu`` (section 3).
 
     ``samples`` holds ``L_t`` samples of the aggregated gradient (the sum over
@@ -178,8 +184,8 @@ def pca_fit(samples, *, slice_size: int, loss_threshold: float | None = None,
     Static shapes: the eq. 6 rank depends on the data. With ``max_rank=None``
     it is planned on the host (concrete samples, a Python int ``rank``, a
     ``basis`` of exactly ``d`` columns); with ``max_rank=r`` the fit runs
-    under `jax.jit` and ``basis`` has ``r`` columns, ``d..r-1`` zero (module
-    docstring, "Planning d").
+    under `jax.jit` and ``basis`` has ``r`` columns, ``d..r-1`` zero
+    (docs/compressors.md#gradiveq).
 
     Args:
       samples: floating array ``(L_t, ...)``; ``L_t >= 1`` samples of at least
@@ -221,6 +227,7 @@ def pca_fit(samples, *, slice_size: int, loss_threshold: float | None = None,
     mean, eigvecs, energy = _spectrum(samples, slice_size, slices)
     if rank is not None:
         return PCAFit(eigvecs[:, :rank], mean, rank, energy)
+    assert loss_threshold is not None  # exactly one of the two (_check_fit_settings)
     d = _eq6_rank(energy, loss_threshold)
     if host:
         d = int(d)

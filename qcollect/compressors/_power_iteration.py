@@ -2,8 +2,8 @@
 reconstruction, scaled so that no float32 product overflows or underflows.
 
 One step of Vogels et al.'s Algorithm 1 on a matrix ``M`` with the shared
-factor ``Q`` (`qcollect.compressors._powersgd` has the whole data-parallel step and the
-matrix views): ``P = M Q`` (`powersgd_p`), ``P`` orthogonalized
+factor ``Q`` (the whole data-parallel step and the matrix views are in
+docs/compressors.md#powersgd): ``P = M Q`` (`powersgd_p`), ``P`` orthogonalized
 (`orthogonalize`, Gram-Schmidt), ``Q = M^T P`` (`powersgd_q`) and ``M^ = P
 Q^T`` (`powersgd_reconstruct`). `powersgd_normalize` scales ``Q``'s columns
 by powers of two first, so that ``P`` keeps ``M``'s scale. Every product is
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
+from typing import Any, Literal, overload
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +38,7 @@ __all__ = ["gram_schmidt", "orthogonalize", "powersgd_normalize", "powersgd_p", 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def powersgd_normalize(q) -> jax.Array:
+def powersgd_normalize(q: jax.Array) -> jax.Array:
     """``Q`` with each column scaled by a power of two to a largest entry in [0.5, 1).
 
     Only the direction of each column of ``P = M Q`` matters (it is
@@ -53,6 +55,9 @@ def powersgd_normalize(q) -> jax.Array:
     Returns:
       float32 ``(..., m, r)``.
 
+    Raises:
+      ValueError: ``q`` has fewer than two dimensions.
+
     Example:
       >>> import jax.numpy as jnp, qcollect as qc
       >>> qc.powersgd_normalize(jnp.array([[3e30, 0.0], [-1e30, 0.0]]))
@@ -67,7 +72,7 @@ def powersgd_normalize(q) -> jax.Array:
 
 
 @jax.jit
-def _normalize_columns(q):
+def _normalize_columns(q: jax.Array) -> jax.Array:
     q = q.astype(jnp.float32)
     top = jnp.max(jnp.abs(q), axis=-2, keepdims=True, initial=0.0)
     e = jnp.where(top > 0, binary_exponent(top), 0)
@@ -76,7 +81,7 @@ def _normalize_columns(q):
     return rescale(rescale(q, -half), half - e)
 
 
-def orthogonalize(p, epsilon: float = 1e-8) -> jax.Array:
+def orthogonalize(p: jax.Array, epsilon: float = 1e-8) -> jax.Array:
     """Orthonormalizes the columns of ``p`` by Gram-Schmidt, as PyTorch's hook.
 
     For ``i = 0 .. r-1``: ``p_i /= ||p_i|| + epsilon``, then its projection is
@@ -97,6 +102,13 @@ def orthogonalize(p, epsilon: float = 1e-8) -> jax.Array:
     Returns:
       ``p`` with orthonormal columns (for full-column-rank input).
 
+    Raises:
+      ValueError: ``p`` has fewer than two dimensions, or ``epsilon < 0``.
+
+    References:
+      Vogels, Karimireddy, Jaggi, PowerSGD, NeurIPS 2019, Algorithm 1
+      (ORTHOGONALIZE); PyTorch ``powerSGD_hook._orthogonalize``.
+
     Example:
       >>> import jax.numpy as jnp, qcollect as qc
       >>> qc.orthogonalize(jnp.array([[3.0, 0.0], [4.0, 5.0]]), 0.0)
@@ -112,7 +124,7 @@ def orthogonalize(p, epsilon: float = 1e-8) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames="epsilon")
-def gram_schmidt(p, epsilon):
+def gram_schmidt(p: jax.Array, epsilon: float) -> jax.Array:
     """Gram-Schmidt on the last two axes, finite for finite ``p`` of any size.
 
     Each output column depends only on the direction of its input column.
@@ -126,11 +138,7 @@ def gram_schmidt(p, epsilon):
     its rounding as it is for the unscaled one: the same result.
 
     The leading axes are folded into one, and dropped when they hold a
-    single matrix: XLA:CPU (jaxlib 0.10) miscompiles the loop's fused
-    projection ``rest - sum(col * rest) col`` on arrays with a size-1 batch
-    axis (a ``(1, 2048, 4)`` stack came out with columns off by 0.1, a
-    ``(1, 1000, 8)`` one with NaN), while one matrix or a batch of two or
-    more is right (`tests/test_powersgd.py` checks both at these sizes).
+    single matrix, which XLA:CPU miscompiles (`_backend.BATCH_OF_ONE_MISCOMPILED`).
     """
     shape = p.shape
     batch = math.prod(shape[:-2])
@@ -146,7 +154,7 @@ def gram_schmidt(p, epsilon):
     return out.reshape(shape).astype(p.dtype)
 
 
-def _gram_schmidt_loop(rest, epsilon):
+def _gram_schmidt_loop(rest: jax.Array, epsilon: float) -> jax.Array:
     cols = []
     for _ in range(rest.shape[-1]):
         col = rest[..., :, :1]
@@ -159,7 +167,8 @@ def _gram_schmidt_loop(rest, epsilon):
     return jnp.concatenate(cols, axis=-1)
 
 
-def _matmul(a, b, transpose_a=False, transpose_b=False):
+def _matmul(a: jax.Array, b: jax.Array, transpose_a: bool = False,
+            transpose_b: bool = False) -> jax.Array:
     """``a @ b`` in float32 (``a^T`` or ``b^T`` if asked), finite for finite
     operands over the whole float32 range.
 
@@ -184,18 +193,18 @@ def _matmul(a, b, transpose_a=False, transpose_b=False):
     return unless_overflow(plain, rescaled, a, b, overflowed=overflowed)
 
 
-def _maybe_transpose(x, transpose):
+def _maybe_transpose(x: jax.Array, transpose: bool) -> jax.Array:
     return jnp.swapaxes(x, -1, -2) if transpose else x
 
 
-def _exponents(a, b) -> tuple[jax.Array, jax.Array]:
+def _exponents(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Per matrix, ``E`` with ``max |a| < 2**E`` and the same for ``b``."""
     ea = binary_exponent(jnp.max(jnp.abs(a), axis=(-2, -1), keepdims=True, initial=0.0))
     eb = binary_exponent(jnp.max(jnp.abs(b), axis=(-2, -1), keepdims=True, initial=0.0))
     return ea, eb
 
 
-def _excess(ea, eb, a, transpose_a):
+def _excess(ea: jax.Array, eb: jax.Array, a: jax.Array, transpose_a: bool) -> jax.Array:
     """Per matrix, how many binary orders the partial sums of ``a @ b`` could
     pass ``2**OVERFLOW_EXPONENT`` by: ``e_a + e_b + bits(k)`` bounds them
     (`_exponents`)."""
@@ -203,7 +212,8 @@ def _excess(ea, eb, a, transpose_a):
     return jnp.maximum(ea + eb + int(length).bit_length() - OVERFLOW_EXPONENT, 0)
 
 
-def _scaled_matmul(a, b, transpose_a, transpose_b):
+def _scaled_matmul(a: jax.Array, b: jax.Array, transpose_a: bool,
+                   transpose_b: bool) -> jax.Array:
     """``a @ b`` with every partial sum below ``2**OVERFLOW_EXPONENT``.
 
     The `_excess` is taken off the larger operand first, then split, by
@@ -221,7 +231,7 @@ def _scaled_matmul(a, b, transpose_a, transpose_b):
     return unscale(jnp.matmul(a, b, precision=_HIGHEST), -ra, -rb)
 
 
-def _each_matmul(a, b, transpose_a=False):
+def _each_matmul(a: Sequence[jax.Array], b: jax.Array, transpose_a: bool = False) -> jax.Array:
     """`_matmul` of matrices ``a[j]`` given as a list, not a stack, with the
     stacked ``b``: each product runs on its own operand (no copy of the
     large matrices into a stack); the small products are stacked and
@@ -232,7 +242,7 @@ def _each_matmul(a, b, transpose_a=False):
                    jnp.asarray(x, jnp.float32) if transpose_a else b[j], precision=_HIGHEST)
         for j, x in enumerate(a)])
 
-    def rescaled(a, b):
+    def rescaled(a: list[jax.Array], b: jax.Array) -> jax.Array:
         a = jnp.stack([jnp.asarray(x, jnp.float32) for x in a])
         if transpose_a:
             return _scaled_matmul(b, a, transpose_a=True, transpose_b=False)
@@ -241,7 +251,7 @@ def _each_matmul(a, b, transpose_a=False):
     return unless_overflow(plain, rescaled, list(a), jnp.asarray(b, jnp.float32))
 
 
-def _sequence(m) -> bool:
+def _sequence(m: Any) -> bool:
     """Whether ``m`` is a list or tuple of matrices (leaves of one shape)."""
     if not isinstance(m, (list, tuple)):
         return False
@@ -252,24 +262,64 @@ def _sequence(m) -> bool:
     return True
 
 
-def powersgd_p(m, q) -> jax.Array:
-    """``P = M Q``: ``(..., n, m) @ (..., m, r) -> (..., n, r)`` float32.
+def powersgd_p(m: jax.Array | Sequence[jax.Array], q: jax.Array) -> jax.Array:
+    """``P = M Q``: the first product of a PowerSGD step, what all-reduce #1 sums.
 
-    ``m`` may also be a list of ``k`` matrices ``(n, m)`` of one shape (the
-    leaves of one shape, unstacked) with ``q`` of shape ``(k, m, r)``: the
-    result is the ``(k, n, r)`` stack of their products, and no stack of the
-    large matrices is made (one fewer read and write of them per product).
+    Computed in float32 at the highest precision; where the product would
+    overflow float32 it is recomputed from operands scaled by powers of two,
+    so finite operands give a finite result over the whole float32 range.
+
+    Args:
+      m: ``M``, float ``(..., n, m)``; or a list of ``k`` matrices ``(n, m)``
+        of one shape (the leaves of one shape, unstacked): the result is then
+        the ``(k, n, r)`` stack of their products, and no stack of the large
+        matrices is made (one fewer read and write of them per product).
+      q: ``Q``, float ``(..., m, r)`` (``(k, m, r)`` for a list).
+
+    Returns:
+      float32 ``(..., n, r)``.
+
+    References:
+      Vogels, Karimireddy, Jaggi, PowerSGD, NeurIPS 2019, Algorithm 1,
+      ``P <- M Q``.
+
+    Example:
+      >>> import jax.numpy as jnp, qcollect as qc
+      >>> m = jnp.arange(6.0).reshape(3, 2)
+      >>> qc.powersgd_p(m, jnp.array([[1.0], [0.0]]))
+      Array([[0.],
+             [2.],
+             [4.]], dtype=float32)
     """
     if _sequence(m):
         return _each_matmul(m, q)
     return _matmul(m, q)
 
 
-def powersgd_q(m, p) -> jax.Array:
-    """``Q = M^T P``: ``(..., n, m)^T @ (..., n, r) -> (..., m, r)`` float32.
+def powersgd_q(m: jax.Array | Sequence[jax.Array], p: jax.Array) -> jax.Array:
+    """``Q = M^T P``: the second product of a PowerSGD step, what all-reduce #2 sums.
 
-    ``m`` may also be a list of ``k`` matrices ``(n, m)`` with ``p`` of shape
-    ``(k, n, r)``, as in `powersgd_p`.
+    Float32 and overflow-safe as `powersgd_p`.
+
+    Args:
+      m: ``M``, float ``(..., n, m)``, or a list of ``k`` matrices ``(n, m)``
+        as in `powersgd_p`.
+      p: the orthogonalized ``P``, float ``(..., n, r)`` (``(k, n, r)`` for a
+        list).
+
+    Returns:
+      float32 ``(..., m, r)``.
+
+    References:
+      Vogels, Karimireddy, Jaggi, PowerSGD, NeurIPS 2019, Algorithm 1,
+      ``Q <- M^T P``.
+
+    Example:
+      >>> import jax.numpy as jnp, qcollect as qc
+      >>> m = jnp.arange(6.0).reshape(3, 2)
+      >>> qc.powersgd_q(m, jnp.array([[1.0], [0.0], [0.0]]))
+      Array([[0.],
+             [1.]], dtype=float32)
     """
     # As (P^T M)^T: the overflow check reads the (..., r, m) product, and XLA
     # keeps the layout it picks for M^T P.
@@ -278,14 +328,49 @@ def powersgd_q(m, p) -> jax.Array:
     return jnp.swapaxes(_matmul(p, m, transpose_a=True), -1, -2)
 
 
-def powersgd_reconstruct(p, q, *, stacked: bool = True):
-    """``M^ = P Q^T``: ``(..., n, r) @ (..., m, r)^T -> (..., n, m)`` float32.
+@overload
+def powersgd_reconstruct(p: jax.Array, q: jax.Array, *,
+                         stacked: Literal[True] = True) -> jax.Array: ...
 
-    With ``stacked=False``, ``p`` and ``q`` are stacks ``(k, n, r)`` and
-    ``(k, m, r)`` and the result is a list of the ``k`` matrices, each its
-    own product: a consumer of one matrix then reads no slice of a ``(k, n,
-    m)`` stack (XLA:CPU also runs ``k`` separate outer products faster than
-    one batched). The overflow check is still one for the stack.
+
+@overload
+def powersgd_reconstruct(p: jax.Array, q: jax.Array, *,
+                         stacked: Literal[False]) -> list[jax.Array]: ...
+
+
+def powersgd_reconstruct(p: jax.Array, q: jax.Array, *,
+                         stacked: bool = True) -> jax.Array | list[jax.Array]:
+    """``M^ = P Q^T``: the rank-``r`` approximation a PowerSGD step decodes.
+
+    Float32 and overflow-safe as `powersgd_p`.
+
+    Args:
+      p: ``P``, float ``(..., n, r)``.
+      q: ``Q``, float ``(..., m, r)``.
+      stacked: with False, ``p`` and ``q`` are stacks ``(k, n, r)`` and
+        ``(k, m, r)`` and the result is a list of the ``k`` matrices, each its
+        own product: a consumer of one matrix then reads no slice of a
+        ``(k, n, m)`` stack, and the products run faster than one batched
+        product on the CPU backend (docs/collectives.md#backend-workarounds).
+        The overflow check is still one for the stack.
+
+    Returns:
+      float32 ``(..., n, m)``, or a list of ``k`` float32 ``(n, m)`` matrices.
+
+    Raises:
+      ValueError: ``stacked=False`` with operands that are not two stacks of
+        ``k`` matrices.
+
+    References:
+      Vogels, Karimireddy, Jaggi, PowerSGD, NeurIPS 2019, Algorithm 1,
+      ``M^ <- P Q^T``.
+
+    Example:
+      >>> import jax.numpy as jnp, qcollect as qc
+      >>> qc.powersgd_reconstruct(jnp.array([[1.0], [0.0], [0.0]]), jnp.array([[0.0], [1.0]]))
+      Array([[0., 1.],
+             [0., 0.],
+             [0., 0.]], dtype=float32)
     """
     if stacked:
         return _matmul(p, q, transpose_b=True)
@@ -297,7 +382,7 @@ def powersgd_reconstruct(p, q, *, stacked: bool = True):
     plain = [jnp.matmul(p[j], q[j].T, precision=_HIGHEST) for j in range(p.shape[0])]
     overflowed = jnp.any(_excess(*_exponents(p, q), p, False) > 0)
 
-    def rescaled(p, q):
+    def rescaled(p: jax.Array, q: jax.Array) -> list[jax.Array]:
         return list(_scaled_matmul(p, q, transpose_a=False, transpose_b=True))
 
     return unless_overflow(plain, rescaled, p, q, overflowed=overflowed)

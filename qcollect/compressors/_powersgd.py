@@ -13,15 +13,9 @@ shape ``(n, m)`` (`powersgd_matrix_shape`), a row-major reshape chosen by
   ``(shape[0], prod(shape[1:]))``, the hook's ``view(shape[0], -1)``. A conv
   weight ``(out, in, kh, kw)`` is ``(out, in kh kw)``.
 
-``view="first"`` on a PyTorch-layout array is the hook's own matrix.
-``view="last"`` on the Flax kernel of the same layer is its transpose (for
-convs, up to the order of the ``in kh kw`` entries): the same singular values,
-payload size ``4 r (n + m)`` and compression decision, with the roles of ``P``
-and ``Q`` swapped. The wrong view for a layout can ruin compression: a Flax
-conv kernel ``(3, 3, 32, 64)`` is ``(288, 64)`` with ``"last"`` but
-``(3, 6144)`` with ``"first"``, where the rank is capped at 3 and a rank-3
-factorization is larger than the kernel itself.
-Vectors ``(n,)`` are ``(n, 1)`` and scalars ``(1, 1)`` in both views.
+Vectors ``(n,)`` are ``(n, 1)`` and scalars ``(1, 1)`` in both views. The
+wrong view for a layout can ruin compression (docs/compressors.md#powersgd
+compares the two).
 
 With a rank ``r`` and a ``Q`` of shape ``(m, r)`` (random at first, then
 reused: warm start) one step of data-parallel PowerSGD on ``N`` workers is::
@@ -51,12 +45,12 @@ chunk has no matrix view:
   ``P P^T sum_i M_i``, the PowerSGD output (times ``N``), and decoding one
   worker's payload gives that worker's contribution ``P P^T M_i``.
 
-The products, the orthogonalization and the reconstruction are in
-`qcollect.compressors._power_iteration`. The state (``Q`` per leaf, the residuals) and
+The products, the orthogonalization and the reconstruction are
+`qcollect.powersgd_p`, `qcollect.orthogonalize`, `qcollect.powersgd_q` and
+`qcollect.powersgd_reconstruct`. The state (``Q`` per leaf, the residuals) and
 the two collectives live in the optax layer; this module is pure and holds
-no state. PyTorch switches to QR
-for ``r > 2`` in float32; here Gram-Schmidt is used for every rank (same span
-and, up to rounding, the same result).
+no state. PyTorch switches to QR for ``r > 2`` in float32; here Gram-Schmidt
+is used for every rank (same span and, up to rounding, the same result).
 """
 
 from __future__ import annotations
@@ -64,6 +58,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
 import jax
@@ -90,12 +85,14 @@ __all__ = [
 ]
 
 
-_VIEWS = ("last", "first")
 #: How an array is viewed as a matrix (`powersgd_matrix_shape`).
 MatrixView = Literal["last", "first"]
+_VIEWS: tuple[MatrixView, ...] = ("last", "first")
+#: Which factor a `powersgd` compressor holds: ``Q`` (right) or ``P`` (left).
+Side = Literal["right", "left"]
 
 
-def _view_shape(shape, view: str) -> tuple[int, int]:
+def _view_shape(shape: Sequence[int], view: MatrixView) -> tuple[int, int]:
     """The ``(n, m)`` matrix view of ``shape`` (validates ``view``)."""
     check_choice("view", view, _VIEWS)
     shape = tuple(int(s) for s in shape)
@@ -104,7 +101,8 @@ def _view_shape(shape, view: str) -> tuple[int, int]:
     return (shape[0], math.prod(shape[1:]))
 
 
-def powersgd_matrix_shape(shape, *, view: MatrixView = "last") -> tuple[int, int]:
+def powersgd_matrix_shape(shape: Sequence[int], *,
+                          view: MatrixView = "last") -> tuple[int, int]:
     """The ``(n, m)`` matrix view of a leaf.
 
     A vector ``(n,)`` is ``(n, 1)`` and a scalar ``(1, 1)`` in both views.
@@ -123,6 +121,10 @@ def powersgd_matrix_shape(shape, *, view: MatrixView = "last") -> tuple[int, int
     Raises:
       ValueError: ``view`` is not ``"last"`` or ``"first"``.
 
+    References:
+      Vogels, Karimireddy, Jaggi, PowerSGD, NeurIPS 2019 (each layer's
+      gradient as a matrix); PyTorch ``powerSGD_hook`` (``view(shape[0], -1)``).
+
     Example:
       >>> import qcollect as qc
       >>> qc.powersgd_matrix_shape((3, 3, 16, 32))
@@ -133,23 +135,58 @@ def powersgd_matrix_shape(shape, *, view: MatrixView = "last") -> tuple[int, int
     return _view_shape(shape, view)
 
 
-def powersgd_matrix(x, *, view: MatrixView = "last") -> jax.Array:
-    """``x`` as its float32 ``(n, m)`` matrix view (see `powersgd_matrix_shape`).
+def powersgd_matrix(x: jax.Array, *, view: MatrixView = "last") -> jax.Array:
+    """``x`` as its float32 ``(n, m)`` matrix view, the ``M`` PowerSGD factorizes.
 
-    Undo it with ``m.reshape(x.shape).astype(x.dtype)``.
+    Args:
+      x: an array of any shape.
+      view: ``"last"`` (default) or ``"first"``, see `powersgd_matrix_shape`.
+
+    Returns:
+      float32 ``(n, m)``, a row-major reshape; undo it with
+      ``m.reshape(x.shape).astype(x.dtype)``.
+
+    Example:
+      >>> import jax.numpy as jnp, qcollect as qc
+      >>> qc.powersgd_matrix(jnp.ones((3, 3, 16, 32))).shape
+      (144, 32)
     """
     x = jnp.asarray(x)
     return x.reshape(_view_shape(x.shape, view)).astype(jnp.float32)
 
 
-def powersgd_rank(shape, rank: int, *, view: MatrixView = "last") -> int:
-    """The rank PyTorch uses for a leaf: ``min(n, m, rank)`` of its ``view``."""
+def powersgd_rank(shape: Sequence[int], rank: int, *, view: MatrixView = "last") -> int:
+    """The rank PyTorch uses for a leaf: ``min(n, m, rank)`` of its ``view``.
+
+    A rank above the smaller side of ``M`` adds nothing: ``M`` has no
+    more singular values.
+
+    Args:
+      shape: the leaf's shape.
+      rank: the requested approximation rank, >= 1.
+      view: ``"last"`` (default) or ``"first"``, see `powersgd_matrix_shape`.
+
+    Returns:
+      ``max(min(n, m, rank), 1)`` for the ``(n, m)`` view.
+
+    Raises:
+      ValueError: ``rank`` below 1, or another ``view``.
+
+    References:
+      PyTorch ``powerSGD_hook`` (``min(n, m, matrix_approximation_rank)``).
+
+    Example:
+      >>> import qcollect as qc
+      >>> qc.powersgd_rank((512, 256), 4), qc.powersgd_rank((3, 3, 2, 2), 64)
+      (4, 2)
+    """
     rank = check_int("rank", rank, low=1)
     n, m = _view_shape(shape, view)
     return max(min(n, m, rank), 1)
 
 
-def powersgd_should_compress(shape, rank: int, *, min_compression_rate: float = 2.0,
+def powersgd_should_compress(shape: Sequence[int], rank: int, *,
+                             min_compression_rate: float = 2.0,
                              view: MatrixView = "last") -> bool:
     """Whether a leaf is worth compressing (PyTorch's ``_should_compress``).
 
@@ -163,6 +200,13 @@ def powersgd_should_compress(shape, rank: int, *, min_compression_rate: float = 
       min_compression_rate: > 0; PyTorch's default is 2.
       view: ``"last"`` (default, channels-last) or ``"first"`` (PyTorch's
         layout), see `powersgd_matrix_shape`.
+
+    Returns:
+      Whether the two factors are smaller than the leaf by the rate.
+
+    References:
+      PyTorch ``powerSGD_hook._should_compress`` and its
+      ``min_compression_rate``.
 
     Example:
       >>> import qcollect as qc
@@ -179,14 +223,34 @@ def powersgd_should_compress(shape, rank: int, *, min_compression_rate: float = 
     return (n + m) * r * rate < n * m
 
 
-def powersgd_init(key, shape, rank: int, *, epsilon: float = 1e-8,
+def powersgd_init(key: jax.Array, shape: Sequence[int], rank: int, *, epsilon: float = 1e-8,
                   view: MatrixView = "last") -> jax.Array:
     """A first ``Q`` for a leaf: orthogonalized standard normal, ``(m, r)`` float32.
 
-    ``(n, m) = powersgd_matrix_shape(shape, view=view)`` and ``r =
-    powersgd_rank(shape, rank, view=view)``. Use the same key on every worker
-    (the factor must be shared); PyTorch seeds all ranks alike for the same
-    reason.
+    PowerSGD starts its power iteration from a random ``Q`` and then reuses
+    the last one (warm start). Use the same key on every worker (the factor
+    must be shared); PyTorch seeds all ranks alike for the same reason.
+
+    Args:
+      key: a PRNG key, the same on every worker.
+      shape: the leaf's shape; ``(n, m) = powersgd_matrix_shape(shape,
+        view=view)``.
+      rank: the requested rank; ``r = powersgd_rank(shape, rank, view=view)``.
+      epsilon: >= 0, as in `orthogonalize`.
+      view: ``"last"`` (default) or ``"first"``, see `powersgd_matrix_shape`.
+
+    Returns:
+      float32 ``(m, r)`` with orthonormal columns.
+
+    References:
+      Vogels, Karimireddy, Jaggi, PowerSGD, NeurIPS 2019, Algorithm 1 (``Q``
+      initialized from an i.i.d. standard normal).
+
+    Example:
+      >>> import jax, qcollect as qc
+      >>> q = qc.powersgd_init(jax.random.key(0), (3, 3, 16, 32), 4)
+      >>> q.shape, q.dtype
+      ((32, 4), dtype('float32'))
     """
     r = powersgd_rank(shape, rank, view=view)
     _, m = _view_shape(shape, view)
@@ -195,7 +259,7 @@ def powersgd_init(key, shape, rank: int, *, epsilon: float = 1e-8,
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "epsilon"))
-def _random_factor(key, shape, epsilon):
+def _random_factor(key: jax.Array, shape: tuple[int, int], epsilon: float) -> jax.Array:
     return gram_schmidt(jax.random.normal(key, shape, jnp.float32), epsilon)
 
 
@@ -210,13 +274,13 @@ class PowerSGDCompressor(Compressor):
     """
 
     factor: Any
-    side: Literal["right", "left"]
+    side: Side
     view: MatrixView
 
     setting_names: ClassVar[tuple[str, ...]] = ("factor", "side", "view")
 
 
-def powersgd(factor, *, side: Literal["right", "left"] = "right",
+def powersgd(factor: jax.Array, *, side: Side = "right",
              view: MatrixView = "last") -> PowerSGDCompressor:
     """One half of a PowerSGD step as a linear compressor with a shared factor.
 
@@ -232,7 +296,7 @@ def powersgd(factor, *, side: Literal["right", "left"] = "right",
 
     Both are linear in ``M`` for a fixed factor, so payloads sum in the
     compressed domain. The factor is captured, not sent: all workers must
-    hold the same one (see the module docstring for the two-round step); it
+    hold the same one (docs/compressors.md#powersgd has the two-round step); it
     may be a traced array from optimizer state. A one-shot use
     (``side="right"`` with a fixed orthonormal ``Q``) is a plain linear
     low-rank projection.
@@ -279,7 +343,8 @@ def powersgd(factor, *, side: Literal["right", "left"] = "right",
                               stochastic=False, factor=factor, side=side, view=view)
 
 
-def _encode(x, key=None, *, name: str, f, side: str, view: MatrixView) -> Payload:
+def _encode(x: jax.Array, key: jax.Array | None = None, *, name: str, f: jax.Array,
+            side: Side, view: MatrixView) -> Payload:
     """``{"p": M Q}`` (right) or ``{"q": M^T P}`` (left) of ``x``'s matrix view."""
     x = jnp.asarray(x)
     check_floating_input(x)
@@ -294,7 +359,7 @@ def _encode(x, key=None, *, name: str, f, side: str, view: MatrixView) -> Payloa
     return Payload({"q": powersgd_q(mat, f)}, tuple(x.shape), x.dtype, name)
 
 
-def _decode(payload, *, name: str, f, side: str):
+def _decode(payload: Payload, *, name: str, f: jax.Array, side: Side) -> jax.Array:
     """``P Q^T`` reshaped to the payload's shape."""
     check_format(payload, name)
     if side == "right":

@@ -11,19 +11,29 @@ import dataclasses
 import functools
 from typing import Any, ClassVar, Literal
 
+import jax
 import jax.numpy as jnp
 
 from qcollect._backend import propagate_nonfinite
 from qcollect._config import check_choice, check_floating_input, check_int, require_key
 from qcollect._payload import Compressor, Payload, check_format
 from qcollect.coding._packing import pack_bits, unpack_bits
-from qcollect.compressors._groups import bucket_groups, flat_codes, from_view, to_view, view_codes
+from qcollect.compressors._groups import (
+    Groups,
+    bucket_groups,
+    flat_codes,
+    from_view,
+    to_view,
+    view_codes,
+)
 from qcollect.compressors._random import hash_uniform
 
 __all__ = ["QSGDCompressor", "qsgd", "QSGD_BUCKET_SIZES"]
 
 #: Grubic et al. section 4 ("Bucket Size"): the sizes that kept full accuracy.
 QSGD_BUCKET_SIZES = {2: 128, 4: 512, 8: 512, 16: 8192}
+#: The scale of a QSGD bucket: its max-norm or its 2-norm.
+Norm = Literal["max", "l2"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False, kw_only=True)
@@ -40,14 +50,13 @@ class QSGDCompressor(Compressor):
 
     bits: int
     bucket_size: int | None
-    norm: Literal["max", "l2"]
+    norm: Norm
 
     setting_names: ClassVar[tuple[str, ...]] = ("bits", "bucket_size", "norm", "stochastic")
 
 
 def qsgd(*, bits: int = 4, bucket_size: int | Literal["default"] | None = "default",
-         norm: Literal["max", "l2"] = "max",
-         stochastic: bool = True) -> QSGDCompressor:
+         norm: Norm = "max", stochastic: bool = True) -> QSGDCompressor:
     """QSGD: a sign bit and ``bits - 1`` bits of level per value, one scale per bucket.
 
     For a bucket ``v`` with scale ``||v||`` (max-norm by default, or 2-norm),
@@ -64,10 +73,10 @@ def qsgd(*, bits: int = 4, bucket_size: int | Literal["default"] | None = "defau
     Codes are packed ``32 / bits`` per uint32 word; each bucket adds one
     float32 scale. Payload size: ``4 * ceil(n * bits / 32) + 4 * num_buckets``.
 
-    The uniforms come from a counter-based integer hash keyed by ``key``
-    (see `qcollect.compressors._random`), not threefry: on CPU threefry costs about twelve
-    elementwise passes, the hash about one third of one, and its 24-bit grid
-    keeps the rounding unbiased to 2**-24 of a level.
+    The uniforms come from a counter-based integer hash keyed by ``key``,
+    not threefry, at a fraction of its cost
+    (docs/compressors.md#stochastic-rounding); its 24-bit grid keeps the
+    rounding unbiased to 2**-24 of a level.
 
     Non-finite values make their bucket's scale non-finite, so the decoded
     bucket is non-finite too. An all-zero bucket has scale 0 and decodes to 0.
@@ -122,10 +131,9 @@ def qsgd(*, bits: int = 4, bucket_size: int | Literal["default"] | None = "defau
         bits=bits, bucket_size=size, norm=norm)
 
 
-def _bucket_scales(view, norm: str):
+def _bucket_scales(view: jax.Array, norm: Norm) -> jax.Array:
     """``||v||`` of every bucket (row of ``view``), NaN and Inf carried."""
-    # max(max v, -min v) rather than max |v|: a shared |v| would be
-    # materialised by XLA:CPU between the reduction and the packing.
+    # max(max v, -min v) rather than max |v| (_backend.REDUCTION_INPUTS_WRITTEN).
     scale = jnp.maximum(jnp.max(view, axis=1, initial=0.0),
                         -jnp.min(view, axis=1, initial=0.0))
     if norm == "l2":
@@ -136,7 +144,7 @@ def _bucket_scales(view, norm: str):
         c = jnp.where(jnp.isfinite(c) & (c > 0), c, 1.0)[:, None]
         norm2 = jnp.sqrt(jnp.sum((view * c) * (view * c), axis=1)) / c[:, 0]
         scale = jnp.minimum(norm2, jnp.finfo(jnp.float32).max)
-    # XLA:CPU's vectorised max reduction can drop a NaN (`qcollect._backend`, entry 4).
+    # A vectorised max can drop a NaN (_backend.MAX_DROPS_NAN).
     return propagate_nonfinite(scale, view, axis=1)
 
 
@@ -145,7 +153,8 @@ def _top_level(bits: int) -> int:
     return 2 ** (bits - 1) - 1
 
 
-def _rounded_levels(view, scale, key, *, bits: int, stochastic: bool):
+def _rounded_levels(view: jax.Array, scale: jax.Array, key: jax.Array | None, *, bits: int,
+                    stochastic: bool) -> jax.Array:
     """``|v_i| s / ||v||`` rounded stochastically (or to nearest) into ``{0..s}``."""
     levels = _top_level(bits)
     inv = jnp.where(scale > 0, levels / scale, 0.0)
@@ -157,8 +166,9 @@ def _rounded_levels(view, scale, key, *, bits: int, stochastic: bool):
     return jnp.minimum(jnp.floor(level), levels).astype(jnp.uint32)
 
 
-def _encoded(x, key, *, name: str, bits: int, bucket_size: int | None, norm: str,
-             stochastic: bool):
+def _encoded(x: jax.Array, key: jax.Array | None, *, name: str, bits: int,
+             bucket_size: int | None, norm: Norm,
+             stochastic: bool) -> tuple[Payload, jax.Array, jax.Array, Groups]:
     """(payload, each value's sign and level in the group view, the groups)."""
     x = jnp.asarray(x)
     check_floating_input(x)
@@ -175,7 +185,8 @@ def _encoded(x, key, *, name: str, bits: int, bucket_size: int | None, norm: str
     return payload, negative, level, groups
 
 
-def _reconstruct(negative, level, payload, groups, bits: int):
+def _reconstruct(negative: jax.Array, level: jax.Array, payload: Payload, groups: Groups,
+                 bits: int) -> jax.Array:
     """``scale * sgn * level / s`` per value, as decode computes it."""
     step = payload["scale"][:, None] * (1.0 / _top_level(bits))
     level = level.astype(jnp.float32)
@@ -183,17 +194,18 @@ def _reconstruct(negative, level, payload, groups, bits: int):
     return from_view(view, groups, payload.shape, payload.dtype)
 
 
-def _encode(x, key=None, **static) -> Payload:
+def _encode(x: jax.Array, key: jax.Array | None = None, **static: Any) -> Payload:
     return _encoded(x, key, **static)[0]
 
 
-def _encode_decoded(x, key=None, *, bits: int, **static):
+def _encode_decoded(x: jax.Array, key: jax.Array | None = None, *, bits: int,
+                    **static: Any) -> tuple[Payload, jax.Array]:
     # The levels and signs come from the encoding, not from unpacking its words.
     payload, negative, level, groups = _encoded(x, key, bits=bits, **static)
     return payload, _reconstruct(negative, level, payload, groups, bits)
 
 
-def _decode(payload, *, name: str, bits: int, bucket_size: int | None):
+def _decode(payload: Payload, *, name: str, bits: int, bucket_size: int | None) -> jax.Array:
     check_format(payload, name)
     groups = bucket_groups(payload.shape, bucket_size)
     sign_bit = 1 << (bits - 1)

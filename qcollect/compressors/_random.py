@@ -1,16 +1,17 @@
 """A cheap counter-based uniform generator for stochastic rounding.
 
-`jax.random.uniform` (threefry) costs about twelve elementwise passes per
-element on CPU, which would make stochastic rounding the bottleneck of a
-quantizer. Here the JAX key is expanded (one tiny threefry call) into two
-32-bit words ``(s0, s1)``; element ``i`` gets ``mix(i * (s1 | 1) + s0)`` where
-``mix`` is the "lowbias32" integer finaliser (two multiplies, three xor-shifts,
-full avalanche). The affine pre-step is a bijection of the counter, and an odd
-multiplier taken from the key keeps streams of different keys from being shifts
-of one another. The top 24 bits become a float in [0, 1) on a grid of 2**-24,
-so ``P(u < p) = ceil(p * 2**24) / 2**24``: stochastic rounding with it is
-unbiased up to 2**-24 of one quantization level, far below float32 rounding of
-the scale. Counters wrap beyond 2**32 elements per call.
+`jax.random.uniform` (threefry) costs many elementwise passes per element,
+which would make stochastic rounding the bottleneck of a quantizer (measured
+in docs/compressors.md#stochastic-rounding). Here the JAX key is expanded (one
+tiny threefry call) into two 32-bit words ``(s0, s1)``; element ``i`` gets
+``mix(i * (s1 | 1) + s0)`` where ``mix`` is the "lowbias32" integer finaliser
+(two multiplies, three xor-shifts, full avalanche). The affine pre-step is a
+bijection of the counter, and an odd multiplier taken from the key keeps
+streams of different keys from being shifts of one another. The top 24 bits
+become a float in [0, 1) on a grid of 2**-24, so
+``P(u < p) = ceil(p * 2**24) / 2**24``: stochastic rounding with it is
+unbiased up to 2**-24 of one quantization level, far below float32 rounding
+of the scale. Counters wrap beyond 2**32 elements per call.
 """
 
 from __future__ import annotations

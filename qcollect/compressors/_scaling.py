@@ -1,8 +1,9 @@
 """Power-of-two scaling that keeps float32 products finite.
 
-Sums take a static scale (`qcollect.compressors._groups.overflow_safe_scale`); products
-(PCA projections, PowerSGD's factors) cannot: a product of two values near
-``2**100`` overflows whatever the length. They take a data-dependent power of
+Sums take a static power-of-two scale set by their length (the group
+statistics' ``overflow_safe_scale``); products (PCA projections, PowerSGD's
+factors) cannot: a product of two values near ``2**100`` overflows whatever
+the length. They take a data-dependent power of
 two ``2**e`` instead, chosen from the operands' binary exponents so that every
 partial sum stays below ``2**OVERFLOW_EXPONENT`` (a quarter of the float32
 maximum). Scaling by a power of two is exact (barring underflow), so the
@@ -14,6 +15,9 @@ for the cost of one finiteness check.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -67,7 +71,8 @@ def unscale(scaled: jax.Array, *exponents: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(scaled), jnp.clip(out, -_F32_MAX, _F32_MAX), out)
 
 
-def unless_overflow(plain, rescaled, *operands, overflowed=None):
+def unless_overflow(plain: Any, rescaled: Callable[..., Any], *operands: Any,
+                    overflowed: jax.Array | None = None) -> Any:
     """``plain`` (an array or a pytree of them), or ``rescaled(*operands)`` where
     it overflowed.
 

@@ -12,6 +12,7 @@ import functools
 import math
 from typing import Any, ClassVar
 
+import jax
 import jax.numpy as jnp
 
 from qcollect._config import check_float, check_floating_input
@@ -74,14 +75,13 @@ def threshold(tau: float, *, capacity: int | float = 1 / 32, coding: Coding = "w
         ``4 * c + 4`` bytes.
       * ``coding="golomb_rice"``: the sorted-index gaps Rice-coded with
         parameter ``k`` (Strom's suggestion, section 3.2; layout in
-        `qcollect.coding._golomb`), the signs as ``ceil(c / 32)`` packed words and
-        the header. The stream is sized for the worst case,
-        ``c * (k + 1) + (n - c) >> k`` bits, so it never overflows and the
-        round trip is exact. Payload:
+        docs/compressors.md#golomb-rice-coded-indices), the signs as
+        ``ceil(c / 32)`` packed words and the header. The stream is sized
+        for the worst case, ``c * (k + 1) + (n - c) >> k`` bits, so it never
+        overflows and the round trip is exact. Payload:
         ``4 * (ceil(c*k/32) + ceil((c + (n - c) >> k)/32) + ceil(c/32) + 1)``
-        bytes: 7.94 bits per slot at ``c = n / 32`` (``k = 4``), against 32 for
-        words; Rice's index bits alone measure 6.5 per entry on normal
-        values at that density.
+        bytes: 7.94 bits per slot at ``c = n / 32`` (``k = 4``), against 32
+        for words.
 
     Non-finite input: a NaN never passes ``|v| > tau``, so the header carries
     a flag set when the input holds NaN or Inf, and decode then returns all
@@ -95,8 +95,7 @@ def threshold(tau: float, *, capacity: int | float = 1 / 32, coding: Coding = "w
         (section 4.2, ``tau = 3.875`` "chosen to leave 1/32 of the data").
       coding: ``"words"`` or ``"golomb_rice"``.
       rice_k: Rice parameter 0..30 for ``"golomb_rice"``; None picks the one
-        minimising the worst-case stream size (about
-        ``log2(ln 2 * n / c)``, see `qcollect.coding._golomb.rice_parameter`).
+        minimising the worst-case stream size (about ``log2(ln 2 * n / c)``).
 
     Returns:
       A deterministic, non-linear `ThresholdCompressor`. Arrays of more than
@@ -131,8 +130,8 @@ def threshold(tau: float, *, capacity: int | float = 1 / 32, coding: Coding = "w
         rice_k=rice_k)
 
 
-def _encode(x, key=None, *, name: str, tau: float, capacity: int | float, coding: str,
-            rice_k: int | None) -> Payload:
+def _encode(x: jax.Array, key: jax.Array | None = None, *, name: str, tau: float,
+            capacity: int | float, coding: Coding, rice_k: int | None) -> Payload:
     """The entries with ``|v| > tau`` (the largest ``capacity`` of them)."""
     x = jnp.asarray(x)
     check_floating_input(x)
@@ -147,8 +146,8 @@ def _encode(x, key=None, *, name: str, tau: float, capacity: int | float, coding
     return Payload(arrays, tuple(x.shape), x.dtype, name)
 
 
-def _decode(payload, *, name: str, tau: float, capacity: int | float, coding: str,
-            rice_k: int | None):
+def _decode(payload: Payload, *, name: str, tau: float, capacity: int | float,
+            coding: Coding, rice_k: int | None) -> jax.Array:
     """``+-tau`` at the sent entries, 0 elsewhere (all NaN for non-finite input)."""
     check_format(payload, name)
     size = math.prod(payload.shape)

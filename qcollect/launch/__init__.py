@@ -14,15 +14,16 @@ The script calls `initialize` first, before any other JAX use::
     mesh = jax.make_mesh((jax.device_count(),), ("data",))   # N * K devices
 
 ``--bandwidth RATE`` (and ``--latency DELAY``) run every process in its own
-network namespace, linked to a bridge by a veth pair shaped with ``tc``; see
-`qcollect.launch._netns`. The launcher prefixes each output line with
-``[rank r] ``, and when one process fails it stops the others and exits with
-the failing process's status. ``--stall-timeout SECONDS`` (default 600) ends
-a job whose processes wait that long in a collective for one that does not
-arrive, with status 124 and a line naming it (`qcollect.launch._stall`).
-Workers die with the launcher, even after ``kill -9`` of it
-(`qcollect.launch._worker`), and a ``--bandwidth`` launch first removes the
-namespaces that launchers killed that way left behind.
+network namespace, linked to a bridge by a veth pair shaped with ``tc``. The
+launcher prefixes each output line with ``[rank r] ``, and when one process
+fails it stops the others and exits with the status of the process that
+failed first. ``--stall-timeout SECONDS`` (default 600) ends a job whose
+processes wait that long in a collective for one that does not arrive, with
+status 124 and a line naming it. Workers die with the launcher, even after
+``kill -9`` of it, and a ``--bandwidth`` launch first removes the namespaces
+that launchers killed that way left behind. How each of these works, and
+what it was measured to do: docs/multiprocess.md, "The launcher", and
+docs/reliability.md.
 
 Environment of every process: ``QCOLLECT_COORDINATOR_ADDRESS``,
 ``QCOLLECT_NUM_PROCESSES``, ``QCOLLECT_PROCESS_ID``,
@@ -97,7 +98,7 @@ def _set_xla_flags(count: int | None, collective_timeout: float) -> None:
 def initialize(cluster: str | None = None) -> bool:
     """Joins the job this process is part of: devices, Gloo CPU collectives, ``jax.distributed``.
 
-    Which job (`qcollect.launch._cluster.detect`): one started by ``python -m
+    Which job (the one `job` returns): one started by ``python -m
     qcollect.launch``; else a cluster launcher's, found by JAX's cluster
     detection: a task of SLURM's ``srun``, a rank of Open MPI's ``mpirun``, a
     rank of another MPI launcher through mpi4py, a pod of a Kubernetes
@@ -188,7 +189,7 @@ def _say_single_once(cluster: str | None) -> None:
           f"({_cluster.CLUSTER}=none says so without this line)", file=sys.stderr, flush=True)
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m qcollect.launch``; returns the exit status."""
     from qcollect.launch._args import parse_args
     from qcollect.launch._runner import Launcher

@@ -6,6 +6,7 @@ import argparse
 import math
 import os
 import re
+from collections.abc import Callable
 
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12,
                "bps": 8, "kbps": 8 * 10**3, "mbps": 8 * 10**6, "gbps": 8 * 10**9}
@@ -13,7 +14,7 @@ _DELAY_UNITS = {"us": 1, "usec": 1, "ms": 10**3, "msec": 10**3, "s": 10**6, "sec
 _NUMBER = r"(\d+(?:\.\d*)?|\.\d+)"
 
 
-def _scaled(text: str, units: dict, name: str, examples: str) -> int:
+def _scaled(text: str, units: dict[str, int], name: str, examples: str) -> int:
     """``number unit`` times the unit's factor, rounded; ValueError naming ``name``."""
     m = re.fullmatch(_NUMBER + r"\s*([a-z]+)", text.strip().lower())
     if m is None or m.group(2) not in units:
@@ -73,7 +74,9 @@ def parse_delay(text: str, name: str = "--latency") -> int:
     return micros
 
 
-def _positive(name: str, most: int | None = None, why: str = ""):
+def _positive(name: str, most: int | None = None, why: str = "") -> Callable[[str], int]:
+    """An argparse ``type`` for a positive int of at most ``most`` (``why`` says why)."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -88,8 +91,10 @@ def _positive(name: str, most: int | None = None, why: str = ""):
     return parse
 
 
-def _typed(fn, name: str):
-    def parse(text: str):
+def _typed(fn: Callable[[str, str], int], name: str) -> Callable[[str], int]:
+    """An argparse ``type`` of a parser ``fn(text, name)`` that raises ValueError."""
+
+    def parse(text: str) -> int:
         try:
             return fn(text, name)
         except ValueError as e:
@@ -148,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parses and validates the launcher's command line.
 
     Raises:

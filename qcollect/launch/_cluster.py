@@ -3,8 +3,8 @@
 `detect` names the source of a multi-process job (first match wins):
 
 - ``"qcollect"``: started by ``python -m qcollect.launch`` (its
-  ``QCOLLECT_*`` variables, `qcollect.launch._env`); also what a user sets by
-  hand, e.g. in a Kubernetes indexed job (docs/multiprocess.md).
+  ``QCOLLECT_*`` variables); also what a user sets by hand, e.g. in a
+  Kubernetes indexed job (docs/multiprocess.md).
 - ``"slurm"``: a task of an ``srun`` step (``SLURM_STEP_ID``, ``SLURM_PROCID``,
   ``SLURM_NTASKS``, ...). A batch script itself (step ``batch``, or no step)
   is not a task of the job: ``python train.py`` run there directly stays one
@@ -33,13 +33,16 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 from qcollect.launch import _env
 
 #: The environment variable that overrides detection (`detect`'s ``choice``).
 CLUSTER = "QCOLLECT_CLUSTER"
-SOURCES = ("qcollect", "slurm", "ompi", "mpi4py", "k8s")
+#: Who started a multi-process job (`Job.source`).
+Source = Literal["qcollect", "slurm", "ompi", "mpi4py", "k8s"]
+#: Every `Source`, in the order `detect` tries them.
+SOURCES: tuple[Source, ...] = get_args(Source)
 _SINGLE = ("none", "single")
 _MPI_RANKS = ("PMIX_RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID")
 
@@ -53,22 +56,24 @@ class Job(NamedTuple):
         where only JAX's detection or mpi4py can tell).
     """
 
-    source: str
+    source: Source
     num_processes: int | None
     process_id: int | None
 
     def describe(self) -> str:
+        """``"slurm job, process 1 of 4"``."""
         where = (f"process {self.process_id} of {self.num_processes}"
                  if self.num_processes is not None else "processes counted by MPI")
         return f"{self.source} job, {where}"
 
 
 def _int(name: str) -> int | None:
+    """The environment variable ``name`` as a non-negative int, or None."""
     value = os.environ.get(name, "")
     return int(value) if value.strip().isdigit() else None
 
 
-def _present(source: str) -> Job | None:
+def _present(source: Source) -> Job | None:
     """``source``'s job when its environment is there, else None."""
     env = os.environ
     if source == "qcollect":
@@ -93,7 +98,7 @@ def _present(source: str) -> Job | None:
     return None
 
 
-def _needs(source: str) -> str | None:
+def _needs(source: Source) -> str | None:
     """What is missing to join a ``source`` job here (None: nothing)."""
     package = {"mpi4py": "mpi4py", "k8s": "kubernetes"}.get(source)
     if package and importlib.util.find_spec(package) is None:
@@ -119,7 +124,7 @@ def detect(choice: str | None = None) -> Job | None:
     if choice != "auto" and choice not in SOURCES:
         raise ValueError(f"cluster ({CLUSTER}) must be auto, none or one of "
                          f"{', '.join(SOURCES)}, got {choice!r}")
-    for source in SOURCES if choice == "auto" else (choice,):
+    for source in SOURCES if choice == "auto" else [s for s in SOURCES if s == choice]:
         job = _present(source)
         if job is None:
             continue

@@ -9,7 +9,7 @@ DEVICES_PER_PROCESS = "QCOLLECT_DEVICES_PER_PROCESS"
 # Seconds a collective may wait for a peer (0: no limit set by the launcher);
 # `qcollect.launch.initialize` turns it into XLA's CPU collective timeout.
 STALL_TIMEOUT = "QCOLLECT_STALL_TIMEOUT"
-# Read by the worker wrapper (`qcollect.launch._worker`) only: the launcher's
+# Read by the worker wrapper (``_worker.py``) only: the launcher's
 # process id (the worker's expected parent) and the pipe that carries its reports.
 LAUNCHER_PID = "QCOLLECT_LAUNCHER_PID"
 STATUS_FD = "QCOLLECT_STATUS_FD"

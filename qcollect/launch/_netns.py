@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Iterable
 
 SUBNET = "10.213.0"
 HUB_HOST = 1
@@ -86,10 +87,10 @@ class StarNetwork:
     size: int
     rate_bits: int | None = None
     delay_us: int | None = None
-    namespaces: list = dataclasses.field(default_factory=list)
-    etc_dirs: list = dataclasses.field(default_factory=list)
+    namespaces: list[str] = dataclasses.field(default_factory=list)
+    etc_dirs: list[str] = dataclasses.field(default_factory=list)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not 1 <= self.size <= MAX_WORKERS:
             raise ValueError(f"size must be in [1, {MAX_WORKERS}], got {self.size}")
 
@@ -117,7 +118,7 @@ class StarNetwork:
 
     def _shape(self, namespace: str, device: str, delay: bool) -> None:
         tc = ("tc", "-n", namespace, "qdisc", "add", "dev", device)
-        parent = ("root",)
+        parent: tuple[str, ...] = ("root",)
         if delay and self.delay_us is not None:
             try:
                 _run(*tc, "root", "handle", "1:", "netem", "delay", f"{self.delay_us}us")
@@ -202,7 +203,7 @@ class StarNetwork:
     def __enter__(self) -> StarNetwork:
         return self.open()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -272,7 +273,7 @@ def stale(prefix: str = "qc") -> dict[int, list[str]]:
         if m is not None:
             owned.setdefault(int(m.group(1)), []).append(path)
     boot = _boot_time()
-    found = {}
+    found: dict[int, list[str]] = {}
     for pid, paths in owned.items():
         started = process_start_time(pid)
         if started is not None:
@@ -290,7 +291,7 @@ def stale(prefix: str = "qc") -> dict[int, list[str]]:
     return found
 
 
-def remove(paths) -> list[str]:
+def remove(paths: Iterable[str]) -> list[str]:
     """Deletes namespaces (``/var/run/netns/<name>``) and hosts directories; never raises.
 
     Returns:

@@ -1,7 +1,13 @@
-"""Starting, watching, forwarding and stopping the worker processes."""
+"""Starting, watching and stopping the worker processes.
+
+Which process failed first is decided in ``_failures.py``, whether the job
+stalled in ``_stall.py``; the workers' output is copied by ``_forward.py``,
+and a worker's own side is ``_worker.py``.
+"""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import signal
@@ -10,8 +16,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
+from types import FrameType
+from typing import TextIO
 
 from qcollect.launch import _env, _netns, _stall, _worker
+from qcollect.launch._failures import Deaths, Failure, first_failure, known_failures
+from qcollect.launch._forward import Forwarder
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -48,37 +59,10 @@ def reserve_port(host: str = "127.0.0.1") -> socket.socket:
     return s
 
 
-def _exit_status(returncode: int) -> int:
-    """A shell-style exit status: ``128 + n`` for death by signal ``n``."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
-class _Forwarder(threading.Thread):
-    """Copies one pipe to ``sink`` line by line with a ``[rank r] `` prefix."""
-
-    lock = threading.Lock()
-
-    def __init__(self, pipe, sink, prefix: str, watch=None):
-        super().__init__(daemon=True)
-        self.pipe, self.sink, self.prefix, self.watch = pipe, sink, prefix, watch
-
-    def run(self):
-        with contextlib.suppress(ValueError, OSError):
-            for raw in iter(self.pipe.readline, b""):
-                line = raw.decode("utf-8", "replace")
-                if not line.endswith("\n"):
-                    line += "\n"
-                if self.watch is not None:
-                    self.watch(line)
-                with self.lock:
-                    self.sink.write(self.prefix + line)
-                    self.sink.flush()
-        with contextlib.suppress(OSError):
-            self.pipe.close()
-
-
 class _Interrupted(Exception):
-    def __init__(self, signum: int):
+    """SIGINT or SIGTERM arrived: the launcher stops the job."""
+
+    def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
@@ -90,19 +74,14 @@ class _PortTaken(Exception):
 class Launcher:
     """Runs ``nproc`` copies of a script and tears everything down afterwards.
 
-    Ends the job at the first failure, at a stall (`qcollect.launch._stall`)
-    or at SIGINT / SIGTERM; in every case it stops all workers and removes
-    the shaped network.
+    Ends the job at the first failure, at a stall (``_stall.py``) or at
+    SIGINT / SIGTERM; in every case it stops all workers and removes the
+    shaped network.
 
     A failure ends the job with the status of the process that failed
-    first, not of those that died of it: a peer of a failed process fails in
-    its next collective, and process 0 holds ``jax.distributed``'s service,
-    whose end aborts the others. Each worker reports how its script failed
-    with its own clock (`qcollect.launch._worker`), and a thread per worker
-    notes when it died; `SETTLE_SECONDS` after the first failure the
-    launcher names the earliest one, preferring a failure of its own over
-    one that only says a peer went away (a process killed by a signal cannot
-    report, and its peers' errors say they lost it).
+    first, not of those that died of it (``_failures.py``): a thread per
+    worker notes when it died, and `SETTLE_SECONDS` after the first failure
+    the launcher names the earliest one.
 
     The job also ends, with status 1, as soon as a process starts JAX
     without joining it (its script does not call
@@ -112,38 +91,40 @@ class Launcher:
     ``--devices-per-process`` says; a user would rather learn that at once
     than after the run. A process that finished its script while others
     waited for it in JAX is named as having finished early
-    (`qcollect.launch._stall.finished_early`). The coordinator's port is
+    (``finished_early`` in ``_stall.py``). The coordinator's port is
     held from the moment it is chosen (`reserve_port`); if another program
     still serves on it, process 0 says so and the job starts again on
     another port, up to `PORT_ATTEMPTS` times.
 
     Args:
-      args: the parsed command line (`qcollect.launch._args.parse_args`).
+      args: the parsed command line (``parse_args`` in ``_args.py``).
       stdout / stderr: where the workers' prefixed lines go.
     """
 
-    def __init__(self, args, stdout=None, stderr=None):
+    def __init__(self, args: argparse.Namespace, stdout: TextIO | None = None,
+                 stderr: TextIO | None = None) -> None:
         self.args = args
         self.stdout = stdout or sys.stdout
         self.stderr = stderr or sys.stderr
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
         self.threads: list[threading.Thread] = []
         self.network: _netns.StarNetwork | None = None
         self.board: _stall.Board | None = None
-        self.reaper: subprocess.Popen | None = None
+        self.reaper: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()
-        self.deaths: dict[int, tuple[float, int]] = {}   # rank -> (time, returncode)
-        self.forwarders: dict[int, list[_Forwarder]] = {}
+        self.deaths: Deaths = {}
+        self.forwarders: dict[int, list[Forwarder]] = {}
         self.port_log = threading.Event()   # process 0 logged that its port is taken
 
     @property
     def shaped(self) -> bool:
+        """The workers run on a shaped network (``--bandwidth``, ``--latency``)."""
         return self.args.bandwidth is not None or self.args.latency is not None
 
     def _say(self, message: str) -> None:
         print(f"[launch] {message}", file=self.stderr, flush=True)
 
-    def _environment(self, rank: int, coordinator: str) -> dict:
+    def _environment(self, rank: int, coordinator: str) -> dict[str, str]:
         env = dict(os.environ)
         env.update(_env.worker_environment(coordinator, self.args.nproc, rank,
                                            self.args.devices_per_process,
@@ -152,14 +133,15 @@ class Launcher:
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
-    def _spawn(self, rank: int, argv: list[str], env: dict, report_fd: int) -> subprocess.Popen:
+    def _spawn(self, rank: int, argv: list[str], env: dict[str, str], report_fd: int
+               ) -> subprocess.Popen[bytes]:
         """Starts worker ``rank`` (called from the main thread: the workers'
         parent-death signal follows the thread that started them)."""
         return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, start_new_session=True,
                                 pass_fds=(report_fd,))
 
-    def _reap(self, rank: int, proc: subprocess.Popen) -> None:
+    def _reap(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
         """Waits for worker ``rank`` and notes when it died."""
         code = proc.wait()
         with self._lock:
@@ -173,7 +155,7 @@ class Launcher:
         """Starts and registers every worker with SIGINT and SIGTERM blocked, so
         that a signal cannot leave a started worker unregistered (and running);
         one that arrives meanwhile stops the starting and is handled after."""
-        self.board = _stall.Board(self.args.nproc, time.monotonic())
+        board = self.board = _stall.Board(self.args.nproc, time.monotonic())
         # Threads started here inherit the mask, so only this one takes the signals.
         signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
         try:
@@ -196,55 +178,36 @@ class Launcher:
                 self.procs.append(proc)
                 watch = self._watch_port if rank == 0 else None
                 for pipe, sink in ((proc.stdout, self.stdout), (proc.stderr, self.stderr)):
-                    t = _Forwarder(pipe, sink, f"[rank {rank}] ", watch)
+                    assert pipe is not None   # stdout=PIPE, stderr=PIPE
+                    t = Forwarder(pipe, sink, f"[rank {rank}] ", watch)
                     t.start()
                     self.threads.append(t)
                     self.forwarders.setdefault(rank, []).append(t)
                 reaper = threading.Thread(target=self._reap, args=(rank, proc), daemon=True)
                 reaper.start()
                 self.threads.append(reaper)
-                self.board.read(rank, open(read_fd, "rb"), time.monotonic)
+                board.read(rank, open(read_fd, "rb"), time.monotonic)
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
 
-    def _failures(self, reports, deaths) -> list[tuple[bool, float, int, int]]:
+    def _failures(self, reports: dict[int, _stall.Report], deaths: Deaths) -> list[Failure]:
         """``(peer_lost, time, rank, status)`` of every process known to have failed."""
-        found = []
-        for rank in range(len(self.procs)):
-            report, death = reports[rank], deaths.get(rank)
-            status = None if death is None else _exit_status(death[1])
-            if report.state == "failed" and report.t is not None:
-                found.append((report.peer_lost, report.t, rank,
-                              report.status if status is None else status))
-            elif status:
-                found.append((False, death[0], rank, status))
-        return found
+        return known_failures(reports, deaths, len(self.procs))
 
-    def _failed(self, failures, reports, now: float) -> int:
+    def _failed(self, failures: list[Failure], reports: dict[int, _stall.Report],
+                now: float) -> int:
         """Names the process that failed first and returns its status."""
-        _, _, rank, status = min(failures)
-        done = sorted(r for r, rep in reports.items() if rep.state == "done" and r != rank)
-        how = f"exited with status {status}"
-        barrier = (f"JAX's exit-time shutdown barrier (it gives up after "
-                   f"{_stall.JAX_SHUTDOWN_SECONDS} s)")
-        if reports[rank].state == "done":
-            how = (f"finished its script {now - reports[rank].at:.1f} s before, then {how} "
-                   f"in {barrier}, waiting for the others")
-        elif done:
-            age = now - min(reports[r].at for r in done)
-            how += (f" while {_stall.ranks(done)}, which finished {age:.1f} s before, waited "
-                    f"for it in {barrier}")
-        others = sorted(r for _, _, r, _ in failures if r != rank)
-        after = f" ({_stall.ranks(others)} failed after it)" if others else ""
-        self._say(f"rank {rank} {how}{after}; stopping the other processes")
+        status, message = first_failure(failures, reports, now)
+        self._say(message)
         return status
 
-    def _port_taken(self, reports, codes) -> bool:
+    def _port_taken(self, reports: dict[int, _stall.Report], codes: Sequence[int | None]
+                    ) -> bool:
         """Process 0 exited because another program has the coordinator's port."""
         return bool(codes) and codes[0] is not None and (
             reports[0].state == "port" or self.port_log.is_set())
 
-    def _not_joined(self, ranks) -> int:
+    def _not_joined(self, ranks: list[int]) -> int:
         self._say(f"{_stall.ranks(ranks)} started JAX without joining the job: the script "
                   "must call qcollect.launch.initialize() before any other JAX use, or each "
                   "process runs alone on its own devices; stopping the processes")
@@ -253,19 +216,24 @@ class Launcher:
     def _wait(self) -> int:
         """Waits for all workers; the first failure or a stall stops the others."""
         timeout = self.args.stall_timeout
-        grace_end, running, next_check, settle_end, drained = None, [], 0.0, None, False
+        board = self.board
+        assert board is not None   # _start made it
+        grace_end: float | None = None
+        settle_end: float | None = None
+        running: list[int] = []
+        next_check, drained = 0.0, False
         while True:
             now = time.monotonic()
-            reports = self.board.snapshot()
+            reports = board.snapshot()
             with self._lock:
                 deaths = dict(self.deaths)
             codes = [deaths[r][1] if r in deaths else None for r in range(len(self.procs))]
             live = [r for r, c in enumerate(codes) if c is None]
             if not live and not drained:
                 # Every worker exited: read what they reported last before deciding.
-                for t in self.board.threads:
+                for t in board.threads:
                     t.join(timeout=1.0)
-                drained, reports = True, self.board.snapshot()
+                drained, reports = True, board.snapshot()
             if grace_end is None:
                 if self._port_taken(reports, codes):
                     raise _PortTaken()
@@ -379,7 +347,7 @@ class Launcher:
                           f"processes (--nproc {self.args.nproc})")
                 return EXIT_USAGE
 
-        def interrupt(signum, frame):
+        def interrupt(signum: int, frame: FrameType | None) -> None:
             raise _Interrupted(signum)
 
         previous = {s: signal.signal(s, interrupt) for s in _SIGNALS}
@@ -407,7 +375,7 @@ class Launcher:
                 if self.network is not None:
                     for error in self.network.close():
                         self._say(f"cleanup: {error}")
-                if self.reaper is not None:
+                if self.reaper is not None and self.reaper.stdin is not None:
                     self.reaper.stdin.close()
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         self.reaper.wait(timeout=5)

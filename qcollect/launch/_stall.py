@@ -11,7 +11,7 @@ fires first:
    reports ``timeout`` and stays alive (so that the coordination service, in
    process 0, does not take the others down with it); the launcher waits
    `GRACE_SECONDS` for the other waiting processes to time out too.
-2. The workers' stack samples (`qcollect.launch._worker`): a process blocked
+2. The workers' stack samples (the worker wrapper, ``_worker.py``): a process blocked
    in one JAX call for the timeout while it stayed idle. This also covers
    waits outside Gloo collectives, and a timeout set higher in ``XLA_FLAGS``.
 
@@ -31,7 +31,7 @@ stays 300 s).
 A third deadline is Gloo's own and cannot be changed: the first collective
 over a set of devices connects its processes, and a process whose peer is
 more than 30 seconds late to it gives up, whatever the stall timeout
-(`qcollect.launch._worker.setup_timeout`). The worker reports it as a
+(``setup_timeout`` in ``_worker.py``). The worker reports it as a
 timeout naming the late process, and `setup_stall` says so.
 
 Reading the stack misses one kind of wait: a jitted call small enough for XLA
@@ -46,6 +46,8 @@ import contextlib
 import dataclasses
 import json
 import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import BinaryIO, Literal, get_args
 
 GRACE_SECONDS = 2.0
 # Gloo's context timeout: how long the first collective over a set of devices
@@ -55,8 +57,11 @@ GLOO_SETUP_SECONDS = 30
 # before JAX aborts the job, and how much sooner `finished_early` speaks.
 JAX_SHUTDOWN_SECONDS = 300
 EARLY_FINISH_MARGIN = 30
+#: Where a worker is, by its last report (`Report.state`).
+State = Literal["starting", "user", "jax", "timeout", "failed", "done", "port"]
+STATES: tuple[State, ...] = get_args(State)
 # States after which a worker sends nothing more (a late sample cannot replace them).
-FINAL_STATES = ("timeout", "failed", "done", "port")
+FINAL_STATES: tuple[State, ...] = ("timeout", "failed", "done", "port")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,13 +79,13 @@ class Report:
       t: the worker's ``time.monotonic()`` when the script ended (final
         states), the same clock for every process of the machine.
       status: the exit status a ``"failed"`` worker is about to exit with.
-      joined: whether the script joined the job (`qcollect.launch._worker.joined`).
+      joined: whether the script joined the job (``joined`` in ``_worker.py``).
       peer_lost: the failure only says that a peer went away.
       late: for a timeout in Gloo's set-up, the processes that did not come
         (None for other timeouts).
     """
 
-    state: str
+    state: State
     seconds: float
     wait: float | None
     at: float
@@ -88,20 +93,25 @@ class Report:
     status: int | None = None
     joined: bool | None = None
     peer_lost: bool = False
-    late: tuple | None = None
+    late: tuple[int, ...] | None = None
 
     def state_age(self, now: float) -> float:
+        """How long the worker had been in ``state`` at ``now`` (launcher's clock)."""
         return self.seconds + (now - self.at)
 
     def wait_age(self, now: float) -> float | None:
+        """How long the worker had waited in one JAX call at ``now``, or None."""
         return None if self.wait is None else self.wait + (now - self.at)
 
 
 def parse(line: bytes, at: float) -> Report | None:
-    """The `Report` in one JSON line of a worker, or None if it is not one."""
+    """The `Report` in one JSON line of a worker, or None if it is not one
+    (not JSON, or a state that is not one of `STATES`)."""
     try:
         record = json.loads(line)
-        state = str(record["state"])
+        state = next((s for s in STATES if s == str(record["state"])), None)
+        if state is None:
+            return None
         seconds = float(record.get("for") or 0.0)
         wait, t, status = record.get("wait"), record.get("t"), record.get("status")
         joined, late = record.get("joined"), record.get("late")
@@ -118,14 +128,16 @@ def parse(line: bytes, at: float) -> Report | None:
 class Board:
     """The latest report of every rank, fed by one reader thread per worker pipe."""
 
-    def __init__(self, nproc: int, now: float):
+    def __init__(self, nproc: int, now: float) -> None:
         self._lock = threading.Lock()
         self._reports = {r: Report("starting", 0.0, None, now) for r in range(nproc)}
         self.threads: list[threading.Thread] = []
 
-    def read(self, rank: int, pipe, clock) -> None:
-        """Starts a daemon thread that reads ``pipe`` (binary) until it closes."""
-        def loop():
+    def read(self, rank: int, pipe: BinaryIO, clock: Callable[[], float]) -> None:
+        """Starts a daemon thread that reads ``pipe`` (binary) until it closes,
+        each report stamped with ``clock()``."""
+
+        def loop() -> None:
             with contextlib.suppress(ValueError, OSError):
                 for line in iter(pipe.readline, b""):
                     report = parse(line, clock())
@@ -141,14 +153,16 @@ class Board:
         self.threads.append(t)
 
     def snapshot(self) -> dict[int, Report]:
+        """Every rank's latest report, as of now."""
         with self._lock:
             return dict(self._reports)
 
 
-def ranks(rs) -> str:
+def ranks(rs: Iterable[int]) -> str:
     """``"rank 1"`` or ``"ranks 0, 2"``."""
-    rs = sorted(rs)
-    return f"rank {rs[0]}" if len(rs) == 1 else "ranks " + ", ".join(map(str, rs))
+    ordered = sorted(rs)
+    return (f"rank {ordered[0]}" if len(ordered) == 1
+            else "ranks " + ", ".join(map(str, ordered)))
 
 
 def describe(report: Report, now: float) -> str:
@@ -166,10 +180,11 @@ def describe(report: Report, now: float) -> str:
 
 
 def _waiting(report: Report) -> bool:
+    """The process waited for a peer: it timed out, or is blocked idle in JAX."""
     return report.state == "timeout" or (report.state != "done" and report.wait is not None)
 
 
-def _stopped(reports: dict[int, Report], live, now: float) -> str | None:
+def _stopped(reports: dict[int, Report], live: Iterable[int], now: float) -> str | None:
     """``"rank 1 stopped arriving (outside JAX for 7.2 s)"`` for the live ranks
     that were not waiting, or None when all were."""
     named = sorted(r for r in live if not _waiting(reports[r]))
@@ -181,17 +196,18 @@ def _stopped(reports: dict[int, Report], live, now: float) -> str | None:
     return f"{ranks(named)} stopped arriving ({'; '.join(where)})"
 
 
-def sampled_stall(reports: dict[int, Report], live, timeout: float, now: float) -> str | None:
+def sampled_stall(reports: dict[int, Report], live: Sequence[int], timeout: float, now: float
+                  ) -> str | None:
     """Detector 2: the message when a live rank waited ``timeout`` in one JAX call.
 
     None while no rank waited that long, or while the ranks that did not wait
     that long are all still waiting (they time out or catch up first).
     """
-    waited = sorted(r for r in live
-                    if (w := reports[r].wait_age(now)) is not None and w >= timeout)
+    ages = _waited(reports, live, timeout, now)
+    waited = sorted(ages)
     if not waited:
         return None
-    longest = max(reports[r].wait_age(now) for r in waited)
+    longest = max(ages.values())
     stopped = _stopped(reports, live, now)
     if stopped is not None:
         return f"{stopped}; {ranks(waited)} waited {longest:.1f} s in JAX"
@@ -200,7 +216,15 @@ def sampled_stall(reports: dict[int, Report], live, timeout: float, now: float) 
     return None
 
 
-def setup_stall(reports: dict[int, Report], running, now: float) -> str | None:
+def _waited(reports: dict[int, Report], among: Iterable[int], timeout: float, now: float
+            ) -> dict[int, float]:
+    """Rank -> its wait in one JAX call, for the ranks ``among`` that waited
+    ``timeout`` or more."""
+    ages = {r: reports[r].wait_age(now) for r in among}
+    return {r: age for r, age in ages.items() if age is not None and age >= timeout}
+
+
+def setup_stall(reports: dict[int, Report], running: Sequence[int], now: float) -> str | None:
     """The message when a process gave up on Gloo's set-up deadline (None if none did).
 
     Names the processes it waited for and where they were, then the ones that
@@ -209,7 +233,7 @@ def setup_stall(reports: dict[int, Report], running, now: float) -> str | None:
     gave_up = sorted(r for r in running if reports[r].late is not None)
     if not gave_up:
         return None
-    late = sorted({p for r in gave_up for p in reports[r].late} - set(gave_up))
+    late = sorted({p for r in gave_up for p in reports[r].late or ()} - set(gave_up))
     where = [f"{r}: {describe(reports[r], now)}" if len(late) > 1 else describe(reports[r], now)
              for r in late if r in reports]
     named = f"{ranks(late)} ({'; '.join(where)})" if late else "a process"
@@ -219,7 +243,7 @@ def setup_stall(reports: dict[int, Report], running, now: float) -> str | None:
             "--stall-timeout does not change")
 
 
-def finished_early(reports: dict[int, Report], live, timeout: float, now: float
+def finished_early(reports: dict[int, Report], live: Sequence[int], timeout: float, now: float
                    ) -> str | None:
     """The message when a process finished its script while live ones waited
     in JAX for ``timeout``, or for `JAX_SHUTDOWN_SECONDS` less
@@ -227,18 +251,18 @@ def finished_early(reports: dict[int, Report], live, timeout: float, now: float
     that ended too soon, named before JAX's exit-time barrier aborts it."""
     bound = min(timeout, JAX_SHUTDOWN_SECONDS - EARLY_FINISH_MARGIN)
     done = sorted(r for r, rep in reports.items() if rep.state == "done")
-    waited = sorted(r for r in live if r not in done
-                    and (w := reports[r].wait_age(now)) is not None and w >= bound)
+    ages = _waited(reports, [r for r in live if r not in done], bound, now)
+    waited = sorted(ages)
     if not done or not waited:
         return None
-    longest = max(reports[r].wait_age(now) for r in waited)
+    longest = max(ages.values())
     first = min(reports[r].at for r in done)
     return (f"{ranks(done)} finished {now - first:.1f} s before, while {ranks(waited)} "
             f"waited {longest:.1f} s in JAX for {'it' if len(done) == 1 else 'them'}: "
             "a process that finished early (fewer steps or collectives than the others)")
 
 
-def timeout_stall(reports: dict[int, Report], running, now: float) -> str:
+def timeout_stall(reports: dict[int, Report], running: Sequence[int], now: float) -> str:
     """Detector 1: the message once the grace after the first timeout report is
     over; ``running`` are the ranks that had not finished when it came."""
     timed_out = sorted(r for r in running if reports[r].state == "timeout")

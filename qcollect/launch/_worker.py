@@ -25,7 +25,7 @@ adds to running the script directly:
   stayed idle. A collective that failed on XLA's collective timeout is
   reported too, and the process then waits up to `TIMEOUT_LINGER_SECONDS` for
   the launcher to stop the job. The launcher's stall detection
-  (`qcollect.launch._stall`) reads these reports.
+  (``_stall.py``) reads these reports.
 - The last report says how the script ended, stamped with this process's
   ``time.monotonic()`` (one clock for every process of the machine): ``failed``
   with its status, and whether the error only says that a peer went away
@@ -44,6 +44,8 @@ adds to running the script directly:
   job again on another port.
 """
 
+from __future__ import annotations
+
 import errno
 import json
 import os
@@ -55,8 +57,11 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
+from types import FrameType
+from typing import Any, Literal
 
-# The same names as in `qcollect.launch._env` (this file imports nothing of qcollect).
+# The same names as in ``_env.py`` (this file imports nothing of qcollect).
 LAUNCHER_PID = "QCOLLECT_LAUNCHER_PID"
 STATUS_FD = "QCOLLECT_STATUS_FD"
 STALL_TIMEOUT = "QCOLLECT_STALL_TIMEOUT"
@@ -72,7 +77,8 @@ IDLE_CPU_SECONDS = 0.2
 # After a collective timed out: how long to wait for the launcher to stop the
 # job (it names the processes that did not arrive) before exiting anyway.
 TIMEOUT_LINGER_SECONDS = 10.0
-# XLA numbers process p's CPU devices p * 2048 + i (`qcollect.launch._args`).
+# XLA numbers process p's CPU devices p * 2048 + i (``MAX_DEVICES_PER_PROCESS``
+# of the launcher's arguments, ``_args.py``).
 DEVICE_ID_STRIDE = 2048
 # What an error says when it only reports that a peer process went away.
 _PEER_LOSS = ("reset by peer", "closed by peer", "broken pipe", "socket closed",
@@ -81,7 +87,10 @@ _PEER_LOSS = ("reset by peer", "closed by peer", "broken pipe", "socket closed",
 # device group under the key ".../gloo/<device ids>/<peer's index>".
 _GLOO_KEY = re.compile(r"gloo/(\d+(?:,\d+)*)/(\d+)")
 
-_status_fd = None
+#: Where the main thread is: in JAX, or in the script's own code.
+Kind = Literal["jax", "user"]
+
+_status_fd: int | None = None
 _final = threading.Event()   # set once the last report is out: sampling stops
 
 
@@ -101,7 +110,8 @@ def die_with_launcher() -> None:
         os._exit(EXIT_ORPHANED)
 
 
-def _status(code) -> int:
+def _status(code: object) -> int:
+    """The exit status of ``sys.exit(code)`` (a message prints and gives 1)."""
     if code is None:
         return 0
     if isinstance(code, int):
@@ -111,6 +121,7 @@ def _status(code) -> int:
 
 
 def _flush() -> None:
+    """Flushes stdout and stderr, whatever state they are in."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -119,11 +130,12 @@ def _flush() -> None:
 
 
 def _die(status: int) -> None:
+    """Exits at once with ``status``, skipping interpreter shutdown."""
     _flush()
     os._exit(status)
 
 
-def report(record: dict) -> bool:
+def report(record: dict[str, Any]) -> bool:
     """Writes one JSON line to the launcher; False once the pipe is gone."""
     if _status_fd is None:
         return False
@@ -136,12 +148,13 @@ def report(record: dict) -> bool:
     return True
 
 
-def _texts(error: BaseException):
+def _texts(error: BaseException) -> Iterator[str]:
     """The messages of ``error`` and of what caused it (at most 8)."""
     seen = 0
-    while error is not None and seen < 8:
-        yield str(error)
-        error, seen = error.__cause__ or error.__context__, seen + 1
+    current: BaseException | None = error
+    while current is not None and seen < 8:
+        yield str(current)
+        current, seen = current.__cause__ or current.__context__, seen + 1
 
 
 def is_collective_timeout(error: BaseException) -> bool:
@@ -154,7 +167,8 @@ def is_peer_loss(error: BaseException) -> bool:
     return any(marker in text.lower() for text in _texts(error) for marker in _PEER_LOSS)
 
 
-def setup_timeout(error: BaseException, process_of=None):
+def setup_timeout(error: BaseException, process_of: dict[int, int] | None = None
+                  ) -> list[int] | None:
     """The processes that did not join a Gloo device group in time, or None.
 
     The first collective over a set of devices creates a Gloo communicator
@@ -192,15 +206,16 @@ def setup_timeout(error: BaseException, process_of=None):
     return None
 
 
-def _device_processes() -> dict:
-    jax = sys.modules.get("jax")
+def _device_processes() -> dict[int, int]:
+    """Device id -> process index, from JAX if it is running (else empty)."""
+    jax: Any = sys.modules.get("jax")
     try:
         return {d.id: d.process_index for d in jax.devices()}
     except Exception:   # whatever the reason: fall back to the id blocks
         return {}
 
 
-def joined():
+def joined() -> bool | None:
     """Whether the script joined the launched job: True once it called
     ``jax.distributed.initialize`` (through `qcollect.launch.initialize`),
     False when JAX's backends exist without it (it can no longer join: JAX
@@ -240,10 +255,12 @@ def coordinator_port_free(address: str) -> bool:
 
 
 def _stdlib_dir() -> str:
+    """The standard library's folder, with a trailing separator."""
     return os.path.dirname(os.__file__) + os.sep
 
 
-def _jax_dirs() -> tuple:
+def _jax_dirs() -> tuple[str, ...]:
+    """The folders of the imported ``jax`` and ``jaxlib`` packages."""
     dirs = []
     for name in ("jax", "jaxlib"):
         path = getattr(sys.modules.get(name), "__file__", None)
@@ -252,7 +269,8 @@ def _jax_dirs() -> tuple:
     return tuple(dirs)
 
 
-def classify(frame, jax_dirs: tuple, stdlib: str):
+def classify(frame: FrameType | None, jax_dirs: tuple[str, ...], stdlib: str
+             ) -> tuple[Kind, FrameType | None]:
     """``("jax", that frame)`` when the innermost frame outside the standard
     library is in ``jax_dirs``, else ``("user", None)``."""
     while frame is not None:
@@ -270,8 +288,10 @@ def classify(frame, jax_dirs: tuple, stdlib: str):
 def _watch(main_ident: int) -> None:
     """Samples the main thread's stack and reports it until the pipe closes."""
     stdlib = _stdlib_dir()
-    state, state_start = None, 0.0
-    call, call_start, call_cpu = None, 0.0, 0.0   # (frame, f_lasti) of one JAX call
+    state: Kind | None = None
+    state_start = 0.0
+    call: tuple[FrameType, int] | None = None   # (frame, f_lasti) of one JAX call
+    call_start, call_cpu = 0.0, 0.0
     while True:
         frame = sys._current_frames().get(main_ident)
         if frame is None:
@@ -282,7 +302,8 @@ def _watch(main_ident: int) -> None:
         if kind != state:
             state, state_start = kind, now
         # Holding the frame keeps its identity: a new call is a new frame object.
-        key = None if jax_frame is None else (jax_frame, jax_frame.f_lasti)
+        key: tuple[FrameType, int] | None = (
+            None if jax_frame is None else (jax_frame, jax_frame.f_lasti))
         if key is None or call is None or key[0] is not call[0] or key[1] != call[1]:
             call, call_start, call_cpu = key, now, cpu
         del jax_frame, key
@@ -318,7 +339,7 @@ def _fail(status: int, at: float, error: BaseException | None = None) -> None:
         error is not None and is_collective_timeout(error)
         and float(os.environ.get(STALL_TIMEOUT) or 0) > 0)
     if timed_out:
-        record = {"state": "timeout", "t": at}
+        record: dict[str, Any] = {"state": "timeout", "t": at}
         if late is not None:
             record["late"] = late
         if report(record):
@@ -333,6 +354,7 @@ def _fail(status: int, at: float, error: BaseException | None = None) -> None:
 
 
 def _done() -> None:
+    """Reports that the script returned (the last report)."""
     _final.set()
     report({"state": "done", "t": time.monotonic(), "joined": joined()})
 
@@ -348,7 +370,7 @@ def check_port() -> None:
     _die(1)
 
 
-def run(argv) -> None:
+def run(argv: list[str]) -> None:
     """Runs ``argv[0]`` with arguments ``argv[1:]``; exits at once if it fails."""
     script = argv[0]
     sys.argv = list(argv)

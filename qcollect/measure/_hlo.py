@@ -10,11 +10,21 @@ this package are built on it.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from typing import Any, Literal
 
 import jax
 
-__all__ = ["attribute", "callees", "check_branches", "compiled_text", "operands", "parse",
-           "shape_bytes", "split_shape"]
+__all__ = ["Branches", "Computations", "Instruction", "attribute", "callees",
+           "check_branches", "compiled_text", "operands", "parse", "shape_bytes", "split_shape"]
+
+#: Which branch of a conditional a reader counts: the costliest or the cheapest.
+Branches = Literal["max", "min"]
+#: One instruction of a computation: ``(name, shape, rest, line)``, ``rest`` the
+#: text from its opcode on and ``line`` the whole HLO line.
+Instruction = tuple[str, str, str, str]
+#: The instructions of every computation of a program, by computation name.
+Computations = dict[str, list[Instruction]]
 
 _ITEMSIZE = {
     "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
@@ -29,6 +39,7 @@ _HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s*\(")
 
 
 def shape_bytes(shape: str) -> int:
+    """Bytes of an HLO shape (``"f32[4,8]"``, or a tuple of them), rounded down."""
     total = 0.0
     for dtype, dims in _ARRAY.findall(shape):
         count = 1
@@ -71,7 +82,14 @@ def attribute(pattern: str, line: str) -> str:
     return next(g for g in m.groups() if g is not None)
 
 
-def parse(hlo: str):
+def parse(hlo: str) -> tuple[Computations, dict[str, str], str | None, int]:
+    """``(computations, shapes, entry, default_group)`` of an HLO module's text.
+
+    ``shapes`` maps every instruction and parameter name to its shape,
+    ``entry`` is the entry computation's name, and ``default_group`` the
+    replica group size of a collective that lists none (the number of
+    partitions or replicas).
+    """
     header = hlo.split("\n", 1)[0]
     m = re.search(r"num_partitions=(\d+)", header)
     partitions = int(m.group(1)) if m else 1
@@ -99,14 +117,15 @@ def parse(hlo: str):
     return comps, shapes, entry, default_group
 
 
-def compiled_text(fn, *args, **kwargs) -> str:
+def compiled_text(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
     """The optimised HLO of ``jax.jit(fn)(*args, **kwargs)``."""
     # A jitted fn compiles through its own cache (no second compile after a call).
     lower = fn.lower if isinstance(fn, jax.stages.Wrapped) else jax.jit(fn).lower
     return lower(*args, **kwargs).compile().as_text()
 
 
-def check_branches(branches) -> None:
+def check_branches(branches: object) -> None:
+    """Raises ValueError unless ``branches`` is ``"max"`` or ``"min"``."""
     if branches not in ("max", "min"):
         raise ValueError(f"branches must be 'max' or 'min', got {branches!r}")
 

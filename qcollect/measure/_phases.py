@@ -20,11 +20,13 @@ mark, so a transformation inside another's branch names its own phases.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
 
 import jax
 
-from qcollect.measure._hlo import check_branches, compiled_text, parse
+from qcollect.measure._hlo import Branches, Computations, check_branches, compiled_text, parse
 from qcollect.measure._wire import report_from_hlo, total_bytes
 
 __all__ = ["phase", "wire_bytes_by_phase"]
@@ -36,7 +38,7 @@ _FOUND = re.compile(r'op_name="([^"]*)"')
 _LAST = re.compile(re.escape(MARK) + r"([A-Za-z0-9_\-,]+)")
 
 
-def phase(*names: str):
+def phase(*names: str) -> AbstractContextManager[Any]:
     """A context manager that marks the collectives traced inside it as
     belonging to the phases ``names``.
 
@@ -48,6 +50,9 @@ def phase(*names: str):
     Args:
       *names: one or more phase names, each of letters, digits, ``-`` and
         ``_`` (several when the branch serves several phases).
+
+    Returns:
+      A context manager; the code traced inside it carries the mark.
 
     Raises:
       ValueError: no name, or a name with another character.
@@ -98,14 +103,15 @@ def _runs(rest: str, line: str) -> list[str]:
     return names
 
 
-def marked_phases(comp: str, comps: dict, memo: dict) -> frozenset[str]:
+def marked_phases(comp: str, comps: Computations,
+                  memo: dict[str, frozenset[str]]) -> frozenset[str]:
     """The phases marked on ``comp``'s instructions and on those of the
     computations it runs (`_runs`), at any depth.
 
     Args:
       comp: a computation name of the parsed HLO.
-      comps: ``{computation: [(name, shape, rest, line), ...]}``, as
-        `qcollect.measure._wire` parses it.
+      comps: ``{computation: [(name, shape, rest, line), ...]}``, as `parse`
+        returns it.
       memo: a cache shared across calls on the same ``comps``.
     """
     if comp not in memo:
@@ -119,24 +125,25 @@ def marked_phases(comp: str, comps: dict, memo: dict) -> frozenset[str]:
     return memo[comp]
 
 
-def program_phases(comps: dict) -> list[str]:
+def program_phases(comps: Computations) -> list[str]:
     """Every phase marked anywhere in the parsed program, sorted."""
     return sorted({name for lines in comps.values() for *_, line in lines
                    for name in phase_names(line)})
 
 
-def _in_phase(name: str, memo: dict):
-    """`qcollect.measure._wire.report_from_hlo`'s ``eligible``: of a conditional's
-    branches, those marked with phase ``name``, or all when none is."""
+def _in_phase(name: str, memo: dict[str, frozenset[str]]
+              ) -> Callable[[list[str], Computations], list[str]]:
+    """The wire report's ``eligible``: of a conditional's branches, those
+    marked with phase ``name``, or all when none is."""
 
-    def eligible(branches: list[str], comps: dict) -> list[str]:
+    def eligible(branches: list[str], comps: Computations) -> list[str]:
         return [b for b in branches if name in marked_phases(b, comps, memo)] or branches
 
     return eligible
 
 
-def wire_bytes_by_phase(fn, *args, branches: Literal["max", "min"] = "max",
-                        **kwargs) -> dict[str, int]:
+def wire_bytes_by_phase(fn: Callable[..., Any], *args: Any, branches: Branches = "max",
+                        **kwargs: Any) -> dict[str, int]:
     """`qcollect.wire_bytes` of one call in each phase that the compiled
     ``fn(*args)`` marks (`phase`).
 
@@ -179,6 +186,6 @@ def wire_bytes_by_phase(fn, *args, branches: Literal["max", "min"] = "max",
     """
     check_branches(branches)
     hlo = compiled_text(fn, *args, **kwargs)
-    memo: dict = {}
+    memo: dict[str, frozenset[str]] = {}
     return {name: total_bytes(report_from_hlo(hlo, branches, _in_phase(name, memo)))
             for name in program_phases(parse(hlo)[0])}

@@ -40,11 +40,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Literal
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
-from qcollect.measure._hlo import attribute, operands, parse, shape_bytes
+from qcollect.measure._hlo import Branches, Instruction, attribute, operands, parse, shape_bytes
 
 __all__ = ["Kernel", "memory_bytes", "memory_report"]
 
@@ -89,7 +90,8 @@ def _opcode(rest: str) -> str:
     return rest.split("(", 1)[0].strip()
 
 
-def _fused_io(fused: list, shapes: dict, operand_bytes: list[int], result_bytes: int):
+def _fused_io(fused: list[Instruction], shapes: dict[str, str], operand_bytes: list[int],
+              result_bytes: int) -> tuple[int, int]:
     """``(read, written)`` of a fusion whose computation is ``fused``."""
     params: dict[str, int] = {}
     users: dict[str, list[tuple[str, str]]] = {}
@@ -142,12 +144,13 @@ def _fused_io(fused: list, shapes: dict, operand_bytes: list[int], result_bytes:
     return read, written
 
 
-def report_from_hlo(hlo: str, branches: Literal["min", "max"] = "min") -> list[Kernel]:
+def report_from_hlo(hlo: str, branches: Branches = "min") -> list[Kernel]:
+    """The memory-touching kernels of the optimised ``hlo`` (see `memory_report`)."""
     comps, shapes, entry, _ = parse(hlo)
     fewer = branches == "min"
     kernels: list[Kernel] = []
 
-    def visit(comp: str, multiplicity: int, seen: tuple[str, ...]):
+    def visit(comp: str, multiplicity: int, seen: tuple[str, ...]) -> None:
         if comp in seen or comp not in comps:
             return
         for name, shape, rest, line in comps[comp]:
@@ -198,15 +201,32 @@ def report_from_hlo(hlo: str, branches: Literal["min", "max"] = "min") -> list[K
             if read or written:
                 kernels.append(Kernel(name, op, comp, read, written, multiplicity, shape))
 
-    visit(entry, 1, ())
+    if entry is not None:
+        visit(entry, 1, ())
     return kernels
 
 
-def memory_report(fn, *args, branches: Literal["min", "max"] = "min",
-                  **kwargs) -> list[Kernel]:
-    """The memory-touching kernels of ``jax.jit(fn)(*args)``, per device;
-    ``branches``: which branch of each conditional counts, the one that moves
-    the least (``"min"``, default: a floor) or the most (``"max"``).
+def memory_report(fn: Callable[..., Any], *args: Any, branches: Branches = "min",
+                  **kwargs: Any) -> list[Kernel]:
+    """The memory-touching kernels of ``jax.jit(fn)(*args)``, per device.
+
+    Read from the optimised HLO, as XLA fused the program: what each kernel
+    must read and write, so that a measured time can be set against the
+    floor that memory bandwidth puts under it (a codec's efficiency in
+    docs/compressors.md#quantizer-benchmark).
+
+    Args:
+      fn: the function to compile, or an already jitted one.
+      *args: its arguments (arrays or `jax.ShapeDtypeStruct`).
+      branches: which branch of each conditional counts, the one that moves
+        the least (``"min"``, default: a floor) or the most (``"max"``).
+      **kwargs: its keyword arguments.
+
+    Returns:
+      One `Kernel` per memory-touching instruction, in program order.
+
+    Raises:
+      ValueError: ``branches`` is neither ``"min"`` nor ``"max"``.
 
     Example:
       >>> import jax.numpy as jnp, qcollect as qc
@@ -220,7 +240,28 @@ def memory_report(fn, *args, branches: Literal["min", "max"] = "min",
     return report_from_hlo(lower(*args, **kwargs).compile().as_text(), branches)
 
 
-def memory_bytes(fn, *args, branches: Literal["min", "max"] = "min", **kwargs) -> int:
+def memory_bytes(fn: Callable[..., Any], *args: Any, branches: Branches = "min",
+                 **kwargs: Any) -> int:
     """Bytes each device's kernels read and write in one run of
-    ``jax.jit(fn)(*args)`` (`memory_report`'s total)."""
+    ``jax.jit(fn)(*args)`` (`memory_report`'s total).
+
+    Over the machine's memory bandwidth it is the time a memory-bound
+    program cannot beat, as the wire bytes over the link rate are for the
+    network.
+
+    Args:
+      fn: the function to compile, or an already jitted one.
+      *args: its arguments (arrays or `jax.ShapeDtypeStruct`).
+      branches: ``"min"`` (default, a floor) or ``"max"``, as for
+        `memory_report`.
+      **kwargs: its keyword arguments.
+
+    Returns:
+      The sum of every kernel's ``(read + written) * multiplicity``.
+
+    Example:
+      >>> import jax.numpy as jnp, qcollect as qc
+      >>> qc.memory_bytes(lambda v: 2 * v + 1, jnp.ones(1024))   # read and write 4 KiB
+      8192
+    """
     return sum(k.traffic for k in memory_report(fn, *args, branches=branches, **kwargs))

@@ -25,18 +25,23 @@ data-dependent ``lax.while_loop``) raises ValueError naming the loop. Of a
 conditional's branches the largest counts, since one runs per call
 (``branches="min"``: the smallest). Which branch is which phase of a
 transformation that switches phases with ``lax.cond`` is read from its
-marks by `qcollect.wire_bytes_by_phase`.
+marks by `qcollect.wire_bytes_by_phase`. docs/collectives.md#wire-bytes
+shows the measured bytes of every algorithm.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Literal
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
+import numpy as np
 
 from qcollect.measure._hlo import (
+    Branches,
+    Computations,
     attribute,
     callees,
     check_branches,
@@ -55,12 +60,19 @@ _COLLECTIVES = ("collective-permute", "all-gather", "all-reduce", "reduce-scatte
 class WireOp:
     """One collective of the compiled program and what it sends per device.
 
-    ``devices``: the device groups it runs over, as partition ids (its
-    replica groups; for a collective-permute, its source-target pairs); None
-    when the program does not list them (every device). ``arrays``: the
-    operands it carries (XLA combines all-reduces into one of several
-    operands; across processes on the CPU backend each is an exchange of its
-    own, `qcollect.collectives._messages`).
+    Attributes:
+      op: the collective's opcode (``"all-reduce"``, ``"collective-permute"``...).
+      computation: the HLO computation holding it.
+      operand_bytes: the bytes of its operands.
+      group_size: ``N``, the devices of one replica group.
+      bytes_per_call: what one device sends per execution (the table above).
+      multiplicity: executions per call of the program (loop trip counts).
+      devices: the device groups it runs over, as partition ids (its replica
+        groups; for a collective-permute, its source-target pairs); None
+        when the program does not list them (every device).
+      arrays: the operands it carries (XLA combines all-reduces into one of
+        several operands; across processes on the CPU backend each is an
+        exchange of its own, see `qcollect.fused_psum`).
     """
 
     op: str
@@ -95,10 +107,8 @@ def _device_groups(line: str) -> tuple[tuple[int, ...], ...] | None:
         return tuple((int(a), int(b)) for a, b in pairs)
     m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", line)
     if m:
-        import numpy as np
-
         dims = [int(d) for d in m.group(3).split(",")]
-        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        ids: np.ndarray = np.arange(int(np.prod(dims))).reshape(dims)
         if m.group(4):
             ids = ids.transpose([int(p) for p in m.group(4).split(",")])
         ids = ids.reshape(int(m.group(1)), int(m.group(2)))
@@ -117,17 +127,41 @@ def _permute_factor(line: str) -> float:
     return moving / len(devices) if devices else 0.0
 
 
-def wire_report(fn, *args, branches: Literal["max", "min"] = "max", **kwargs) -> list[WireOp]:
+def wire_report(fn: Callable[..., Any], *args: Any, branches: Branches = "max",
+                **kwargs: Any) -> list[WireOp]:
     """The collectives of ``jax.jit(fn)(*args)`` with their bytes per device.
 
-    ``branches``: ``"max"`` or ``"min"``, which branch of each conditional
-    is reported (see `wire_bytes`).
+    What `wire_bytes` adds up, one `WireOp` per collective: to see which
+    collective of a program sends what, and how often.
+
+    Args:
+      fn: the function to compile, typically a `jax.shard_map` function.
+      *args: its arguments (arrays or `jax.ShapeDtypeStruct`).
+      branches: ``"max"`` or ``"min"``, which branch of each conditional
+        is reported (see `wire_bytes`).
+      **kwargs: its keyword arguments.
+
+    Returns:
+      The collectives in program order; their
+      ``bytes_per_call * multiplicity`` sum to `wire_bytes`.
+
+    Raises:
+      ValueError: a loop that runs a collective has no known trip count.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, qcollect as qc
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((4,), ("d",), devices=jax.devices()[:4])
+      >>> f = jax.shard_map(lambda v: jax.lax.psum(v, "d"), mesh=mesh,
+      ...                   in_specs=P(), out_specs=P())
+      >>> [(op.op, op.group_size, op.bytes_per_call) for op in qc.wire_report(f, jnp.zeros(1024))]
+      [('all-reduce', 4, 6144.0)]
     """
     check_branches(branches)
     return report_from_hlo(compiled_text(fn, *args, **kwargs), branches)
 
 
-def _holds_collective(comp: str, comps, memo: dict[str, bool]) -> bool:
+def _holds_collective(comp: str, comps: Computations, memo: dict[str, bool]) -> bool:
     """True when ``comp`` or any computation it runs, at any depth, has a collective."""
     if comp not in memo:
         memo[comp] = False  # a cycle adds nothing
@@ -140,13 +174,15 @@ def _holds_collective(comp: str, comps, memo: dict[str, bool]) -> bool:
     return memo[comp]
 
 
-def report_from_hlo(hlo: str, branches: Literal["max", "min"] = "max",
-                    eligible=None) -> list[WireOp]:
+def report_from_hlo(
+        hlo: str, branches: Branches = "max",
+        eligible: Callable[[list[str], Computations], list[str]] | None = None,
+) -> list[WireOp]:
     """The collectives of the optimised ``hlo`` (see `wire_report`).
 
     ``eligible(branch_names, comps) -> names``: which branches of a
-    conditional may run (`qcollect.measure._phases`; default all); ``branches``
-    picks among them.
+    conditional may run (the phase marks of `qcollect.wire_bytes_by_phase`;
+    default all); ``branches`` picks among them.
     """
     pick = max if branches == "max" else min
     comps, shapes, entry, default_group = parse(hlo)
@@ -156,7 +192,7 @@ def report_from_hlo(hlo: str, branches: Literal["max", "min"] = "max",
     def holds(comp: str) -> bool:
         return _holds_collective(comp, comps, memo)
 
-    def visit(comp: str, multiplicity: int, seen: tuple[str, ...]):
+    def visit(comp: str, multiplicity: int, seen: tuple[str, ...]) -> None:
         if comp in seen or comp not in comps:
             return
         for name, _shape, rest, line in comps[comp]:
@@ -205,18 +241,42 @@ def report_from_hlo(hlo: str, branches: Literal["max", "min"] = "max",
                 for callee in re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", line):
                     visit(callee, multiplicity, seen + (comp,))
 
-    visit(entry, 1, ())
+    if entry is not None:
+        visit(entry, 1, ())
     return ops
 
 
-def wire_bytes(fn, *args, branches: Literal["max", "min"] = "max", **kwargs) -> int:
+def wire_bytes(fn: Callable[..., Any], *args: Any, branches: Branches = "max",
+               **kwargs: Any) -> int:
     """Bytes each device sends in the collectives of the compiled ``fn(*args)``.
 
-    Measured from the optimised HLO of ``jax.jit(fn)`` (see the module
-    docstring for how each collective counts). ``fn`` is typically a
-    `jax.shard_map` or `jax.pmap` function. ``branches``: which branch of a
-    conditional counts, ``"max"`` (default, the most a call can send) or
-    ``"min"`` (the least).
+    Measured from the optimised HLO of ``jax.jit(fn)``, never computed from
+    a compressor's settings, so what XLA really emits (fused, combined or
+    looped collectives, the padding of packed words) is what counts. Per
+    collective of a replica group of ``N`` devices: a collective-permute
+    sends its operand, an all-gather ``N - 1`` times its operand, an
+    all-reduce ``2 (N - 1) / N`` times (the bandwidth-optimal ring), a
+    reduce-scatter or an all-to-all ``(N - 1) / N`` times; collectives in
+    loops count once per iteration (docs/collectives.md#wire-bytes).
+
+    Args:
+      fn: the function to compile, typically a `jax.shard_map` or
+        `jax.pmap` function, or an already jitted one.
+      *args: its arguments (arrays or `jax.ShapeDtypeStruct`).
+      branches: which branch of a conditional counts, ``"max"`` (default,
+        the most a call can send) or ``"min"`` (the least).
+      **kwargs: its keyword arguments.
+
+    Returns:
+      Bytes per device and call, rounded to an int.
+
+    Raises:
+      ValueError: a loop that runs a collective has no known trip count
+        (its bytes would depend on data).
+
+    References:
+      Gibiansky, "Bringing HPC Techniques to Deep Learning" (2017): the
+      ring all-reduce's ``2 (N - 1) / N`` bytes per device.
 
     Example:
       >>> import jax, jax.numpy as jnp, qcollect as qc
@@ -230,12 +290,12 @@ def wire_bytes(fn, *args, branches: Literal["max", "min"] = "max", **kwargs) -> 
     return total_bytes(wire_report(fn, *args, branches=branches, **kwargs))
 
 
-def total_bytes(ops) -> int:
+def total_bytes(ops: Sequence[WireOp]) -> int:
     """What the ops of a `wire_report` send per device, rounded to a byte."""
     return int(round(sum(op.bytes_per_call * op.multiplicity for op in ops)))
 
 
-def _find_mesh(args, kwargs):
+def _find_mesh(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     for leaf in jax.tree.leaves((args, kwargs)):
         sharding = getattr(leaf, "sharding", None)
         if isinstance(sharding, jax.sharding.NamedSharding):
@@ -243,10 +303,8 @@ def _find_mesh(args, kwargs):
     return None
 
 
-def _axes_of(groups, mesh) -> tuple[str, ...]:
+def _axes_of(groups: tuple[tuple[int, ...], ...], mesh: Any) -> tuple[str, ...]:
     """The mesh axes along which the devices of any one group differ."""
-    import numpy as np
-
     shape = tuple(mesh.devices.shape)
     size = int(np.prod(shape))
     axes = set()
@@ -259,8 +317,9 @@ def _axes_of(groups, mesh) -> tuple[str, ...]:
     return tuple(name for k, name in enumerate(mesh.axis_names) if k in axes)
 
 
-def wire_bytes_by_axis(fn, *args, mesh=None, branches: Literal["max", "min"] = "max",
-                       **kwargs) -> dict:
+def wire_bytes_by_axis(fn: Callable[..., Any], *args: Any, mesh: Any = None,
+                       branches: Branches = "max",
+                       **kwargs: Any) -> dict[str | tuple[str, ...], int]:
     """`wire_bytes` split by the mesh axes each collective runs over.
 
     Each collective's device groups (replica groups, or a collective-permute's
@@ -298,7 +357,7 @@ def wire_bytes_by_axis(fn, *args, mesh=None, branches: Literal["max", "min"] = "
     if mesh is None:
         raise ValueError("wire_bytes_by_axis needs the mesh: pass mesh=, or arguments "
                          "placed with a NamedSharding")
-    totals: dict = {}
+    totals: dict[str | tuple[str, ...], float] = {}
     everything = tuple(mesh.axis_names)
     for op in wire_report(fn, *args, branches=branches, **kwargs):
         sent = op.bytes_per_call * op.multiplicity
@@ -313,11 +372,18 @@ def wire_bytes_by_axis(fn, *args, mesh=None, branches: Literal["max", "min"] = "
     return {k: int(round(v)) for k, v in totals.items() if round(v)}
 
 
-def bytes_along(split: dict, axis: str) -> int:
+def bytes_along(split: dict[Any, int], axis: str) -> int:
     """Bytes of a `wire_bytes_by_axis` result sent by collectives that run over
     ``axis``, alone or with other axes (what crosses between nodes, for the
-    ``"node"`` axis). Keys may be names, tuples of names, or names joined by
-    commas (the examples' JSON).
+    ``"node"`` axis).
+
+    Args:
+      split: a `wire_bytes_by_axis` result. Keys may be names, tuples of
+        names, or names joined by commas (the examples' JSON).
+      axis: a mesh axis name.
+
+    Returns:
+      The sum of the entries whose key names ``axis``.
 
     Example:
       >>> import qcollect as qc
@@ -325,7 +391,7 @@ def bytes_along(split: dict, axis: str) -> int:
       4196
     """
 
-    def axes(key) -> tuple:
+    def axes(key: str | tuple[str, ...]) -> tuple[str, ...]:
         if isinstance(key, tuple):
             return key
         return tuple(key.split(","))
