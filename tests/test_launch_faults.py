@@ -215,6 +215,33 @@ def test_a_script_without_jax_is_left_alone(tmp_path):
     assert "[launch]" not in err, err
 
 
+FINISHING = """
+import atexit, pathlib, sys, threading, time
+import qcollect.launch
+qcollect.launch.initialize()
+import jax
+out, rank = pathlib.Path(sys.argv[1]), jax.process_index()
+def later():
+    time.sleep(1.0)
+    (out / f"thread{rank}").write_text("joined")
+def at_exit():   # runs before JAX's own handler (registered earlier)
+    (out / f"atexit{rank}").write_text((out / f"thread{rank}").read_text())
+atexit.register(at_exit)
+threading.Thread(target=later).start()
+print(jax.device_count(), "devices")
+"""
+
+
+def test_a_finished_script_ends_as_interpreter_shutdown_begins(tmp_path):
+    """A returned script's non-daemon threads are joined and its ``atexit``
+    handlers run (JAX's shutdown barrier among them), then the process exits 0."""
+    status, out, err, _ = _launch("--nproc", "2", _script(tmp_path, FINISHING), str(tmp_path))
+    assert status == 0, out + err
+    assert "[rank 0] 2 devices" in out and "[rank 1] 2 devices" in out
+    for rank in range(2):
+        assert (tmp_path / f"atexit{rank}").read_text() == "joined"
+
+
 # --devices-per-process ----------------------------------------------------------------
 
 def test_devices_per_process_has_an_upper_bound(capsys):

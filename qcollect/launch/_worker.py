@@ -26,6 +26,10 @@ adds to running the script directly:
   reported too, and the process then waits up to `TIMEOUT_LINGER_SECONDS` for
   the launcher to stop the job. The launcher's stall detection
   (``_stall.py``) reads these reports.
+- A script that returned (or called ``sys.exit(0)``) ends as interpreter
+  shutdown begins (non-daemon threads joined, ``atexit`` handlers run, JAX's
+  shutdown barrier among them) and then exits 0 at once (`_finish`): the
+  rest of shutdown can abort a process whose work is done.
 - The last report says how the script ended, stamped with this process's
   ``time.monotonic()`` (one clock for every process of the machine): ``failed``
   with its status, and whether the error only says that a peer went away
@@ -92,6 +96,7 @@ Kind = Literal["jax", "user"]
 
 _status_fd: int | None = None
 _final = threading.Event()   # set once the last report is out: sampling stops
+WATCH_THREAD = "qcollect-launch-watch"
 
 
 def die_with_launcher() -> None:
@@ -314,7 +319,7 @@ def _watch(main_ident: int) -> None:
         if _final.is_set() or not report({"state": state, "for": round(now - state_start, 2),
                                            "wait": waited, "joined": joined()}):
             return
-        time.sleep(SAMPLE_SECONDS)
+        _final.wait(SAMPLE_SECONDS)   # woken at once by the last report
 
 
 def start_reports() -> None:
@@ -327,7 +332,7 @@ def start_reports() -> None:
     os.set_inheritable(_status_fd, False)
     os.set_blocking(_status_fd, False)
     threading.Thread(target=_watch, args=(threading.main_thread().ident,),
-                     name="qcollect-launch-watch", daemon=True).start()
+                     name=WATCH_THREAD, daemon=True).start()
 
 
 def _fail(status: int, at: float, error: BaseException | None = None) -> None:
@@ -359,6 +364,30 @@ def _done() -> None:
     report({"state": "done", "t": time.monotonic(), "joined": joined()})
 
 
+def _finish() -> None:
+    """Ends a process whose script returned: the sampling thread stopped and
+    joined, then what interpreter shutdown does first (wait for the
+    script's non-daemon threads, run the ``atexit``
+    handlers, JAX's ``jax.distributed`` shutdown barrier among them, flush the
+    streams), then exits 0 at once.
+
+    The rest of interpreter shutdown is skipped on purpose: in it CPython
+    (3.13 and older) ends daemon threads by ``pthread_exit`` when they next
+    take the GIL, which aborts the process when the unwinding passes a C++
+    ``catch (...)`` of an extension ("FATAL: exception not rethrown", status
+    134) after its work is done (CPython issue 87135), and it destroys
+    jaxlib's Gloo contexts while peers may still be closing theirs.
+    """
+    import atexit
+
+    main = threading.main_thread()
+    for t in threading.enumerate():
+        if t is not main and (not t.daemon or t.name == WATCH_THREAD):
+            t.join()
+    atexit._run_exitfuncs()
+    _die(0)
+
+
 def check_port() -> None:
     """In process 0: reports ``port`` and exits 1 when the coordinator's port is taken."""
     address = os.environ.get(COORDINATOR)
@@ -381,13 +410,12 @@ def run(argv: list[str]) -> None:
         status = _status(e.code)
         if status != 0:
             _fail(status, time.monotonic())
-        _done()
-        raise
     except BaseException as e:
         at = time.monotonic()
         traceback.print_exc()
         _fail(1, at, e)
     _done()
+    _finish()
 
 
 if __name__ == "__main__":
