@@ -66,7 +66,12 @@ TRANSFORMS = {
     "gradiveq": lambda: transforms.gradiveq(
         AXIS, key=jax.random.key(0), slice_size=16, rank=4, warmup_steps=1, sample_steps=2,
         compressed_steps=3),
+    # 1-bit Adam's recipe: saved after the warm-up and the freeze (step 2)
+    "onebit-adam": lambda: transforms.compressed_all_reduce(
+        AXIS, compressor=qc.onebit(), key=jax.random.key(0), compress_after=2),
 }
+#: The optimizer each is chained with (default Adam).
+OPTIMIZERS = {"onebit-adam": lambda: transforms.frozen_adamw(1e-2, 2, weight_decay=0.1)}
 
 
 def _start(tx, mesh):
@@ -77,7 +82,7 @@ def _start(tx, mesh):
 @pytest.mark.parametrize("name", sorted(TRANSFORMS))
 def test_resume_is_bit_identical(name, tmp_path):
     mesh = _mesh(4)
-    tx = optax.chain(TRANSFORMS[name](), optax.adam(1e-2))
+    tx = optax.chain(TRANSFORMS[name](), OPTIMIZERS.get(name, lambda: optax.adam(1e-2))())
     params, state = _start(tx, mesh)
     run = _trainer(tx, mesh, state)
     params, state = run(params, state, 0, 3)

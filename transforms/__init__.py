@@ -16,6 +16,7 @@ from transforms._blocks import local_replica
 from transforms._checkpoint import restore_sharded
 from transforms._diloco import DiLoCoState, diloco
 from transforms._diloco_schedule import DiLoCoStep, diloco_schedule, fragment_masks
+from transforms._frozen_adam import FrozenAdamState, frozen_adamw, scale_by_frozen_adam
 from transforms._fsdp import (
     FSDP,
     FSDPState,
@@ -27,10 +28,16 @@ from transforms._fsdp import (
     sharded_specs,
 )
 from transforms._gradiveq import GradiVeQState, gradiveq
-from transforms._mean import mean_all_reduce, path_name
-from transforms._phases import PhaseSpan, gradiveq_phases, powersgd_phases, steps_per_phase
+from transforms._mean import mean_all_reduce
+from transforms._phases import (
+    PhaseSpan,
+    gradiveq_phases,
+    powersgd_phases,
+    steps_per_phase,
+    warm_up_phases,
+)
 from transforms._placement import init_sharded, state_specs
-from transforms._policy import compressed_fraction, leaf_compressors
+from transforms._policy import compressed_fraction, leaf_compressors, matrices, path_name
 from transforms._powersgd import PowerSGDState, powersgd
 
 __all__ = [
@@ -40,6 +47,7 @@ __all__ = [
     "DiLoCoState",
     "DiLoCoStep",
     "FSDPState",
+    "FrozenAdamState",
     "GradiVeQState",
     "ModelAveragingState",
     "PhaseSpan",
@@ -52,6 +60,7 @@ __all__ = [
     "diloco",
     "diloco_schedule",
     "fragment_masks",
+    "frozen_adamw",
     "fsdp",
     "gradiveq",
     "gradiveq_phases",
@@ -59,14 +68,17 @@ __all__ = [
     "init_sharded",
     "leaf_compressors",
     "local_replica",
+    "matrices",
     "mean_all_reduce",
     "path_name",
     "powersgd",
     "powersgd_phases",
     "restore_sharded",
+    "scale_by_frozen_adam",
     "shard_params",
     "shard_specs",
     "sharded_specs",
     "state_specs",
     "steps_per_phase",
+    "warm_up_phases",
 ]

@@ -1,4 +1,4 @@
-"""`mean_all_reduce`: the uncompressed mean over the data axis, and `path_name`.
+"""`mean_all_reduce`: the uncompressed mean over the data axis.
 
 The plain data-parallel all-reduce as a transformation, for the leaves a
 leaf policy leaves uncompressed when ``optax.partition`` sends them to
@@ -9,16 +9,14 @@ policy"), and as the exact reference a compressed run is compared with.
 from __future__ import annotations
 
 import functools
-from typing import Any
 
-import jax
 import optax
 
 import qcollect as qc
 from transforms._axes import AxisName, check_local_gradients
 from transforms._policy import BlockSpecs
 
-__all__ = ["mean_all_reduce", "path_name"]
+__all__ = ["mean_all_reduce"]
 
 
 def mean_all_reduce(axis_name: AxisName, *,
@@ -60,35 +58,3 @@ def _update(grads: optax.Updates, state: optax.EmptyState, params: optax.Params 
     del params
     check_local_gradients(grads, axis_name)
     return qc.fused_psum(grads, axis_name, mean=True, block_specs=block_specs), state
-
-
-def path_name(path: tuple[Any, ...], sep: str = "/") -> str:
-    """A key path as a readable name: ``"layers/0/kernel"``.
-
-    The ``path`` a leaf policy's ``compressor(path, leaf)`` or
-    ``compress_if(path, leaf)`` gets is JAX's key path of the leaf
-    (``jax.tree_util.tree_leaves_with_path``): a tuple of ``DictKey`` (dicts,
-    Flax linen's parameters and NNX ``State``: ``.key``), ``SequenceKey``
-    (lists, tuples: ``.idx``), ``GetAttrKey`` (dataclasses, NamedTuples:
-    ``.name``) and ``FlattenedIndexKey`` entries. On Flax NNX state the last
-    entry is ``GetAttrKey("value")``, the ``Variable``'s value, so
-    ``path[-1].key`` fails there; this joins every entry's name, without
-    that trailing ``value``.
-
-    Args:
-      path: a key path, as a leaf policy receives it.
-      sep: the separator between entries.
-
-    Returns:
-      The entries' names joined by ``sep``.
-
-    Example:
-      >>> import jax, jax.numpy as jnp, transforms
-      >>> tree = {"layers": [{"kernel": jnp.zeros(2)}]}
-      >>> [transforms.path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
-      ['layers/0/kernel']
-    """
-    names = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
-    if len(path) > 1 and isinstance(path[-1], jax.tree_util.GetAttrKey) and names[-1] == "value":
-        names = names[:-1]
-    return sep.join(names)

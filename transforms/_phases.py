@@ -16,7 +16,7 @@ from typing import NamedTuple
 from qcollect.checks import check_int
 
 __all__ = ["COMPRESSED", "POWERSGD_START_ITER", "SAMPLING", "WARM_UP", "PhaseSpan",
-           "gradiveq_phases", "powersgd_phases", "steps_per_phase"]
+           "gradiveq_phases", "powersgd_phases", "steps_per_phase", "warm_up_phases"]
 
 #: The phase names the transformations mark and schedule.
 WARM_UP = "warm-up"        # uncompressed (PowerSGD) or sample-compressed (GradiVeQ) start
@@ -66,6 +66,31 @@ def steps_per_phase(schedule: Iterable[PhaseSpan]) -> dict[str, int]:
     return out
 
 
+def warm_up_phases(steps: int, *, compress_after: int) -> tuple[PhaseSpan, ...]:
+    """Which of a run's steps ``0 .. steps - 1`` a transformation that sends
+    the exact mean for ``compress_after`` steps spends in which phase:
+    ``"warm-up"``, then ``"compressed"``. The schedule of
+    `transforms.compressed_all_reduce` with ``compress_after`` (and of
+    `transforms.powersgd`, whose ``start_iter`` means the same), under the
+    names its branches are marked with (`qcollect.wire_bytes_by_phase`).
+
+    Raises:
+      ValueError: ``steps`` or ``compress_after`` is not an integer >= 0.
+
+    Example:
+      >>> import transforms
+      >>> transforms.warm_up_phases(600, compress_after=120)
+      ... # doctest: +NORMALIZE_WHITESPACE
+      (PhaseSpan(name='warm-up', start=0, stop=120),
+       PhaseSpan(name='compressed', start=120, stop=600))
+      >>> transforms.warm_up_phases(600, compress_after=0)
+      (PhaseSpan(name='compressed', start=0, stop=600),)
+    """
+    steps = check_int("steps", steps, low=0)
+    first = check_int("compress_after", compress_after, low=0)
+    return clipped([(WARM_UP, 0, first), (COMPRESSED, first, steps)], steps)
+
+
 def powersgd_phases(steps: int, *, start_iter: int = POWERSGD_START_ITER
                     ) -> tuple[PhaseSpan, ...]:
     """Which of a run's steps ``0 .. steps - 1`` a `transforms.powersgd` with
@@ -98,9 +123,8 @@ def powersgd_phases(steps: int, *, start_iter: int = POWERSGD_START_ITER
       >>> transforms.powersgd_phases(300, start_iter=1000)   # never compresses
       (PhaseSpan(name='warm-up', start=0, stop=300),)
     """
-    steps = check_int("steps", steps, low=0)
     start_iter = check_int("start_iter", start_iter, low=0)
-    return clipped([(WARM_UP, 0, start_iter), (COMPRESSED, start_iter, steps)], steps)
+    return warm_up_phases(steps, compress_after=start_iter)
 
 
 def gradiveq_phases(steps: int, *, warmup_steps: int = 0, sample_steps: int = 100,

@@ -167,3 +167,73 @@ def sum_uncompressed(leaves: list[jax.Array], compressed: list[bool], axis_name:
     for i, v in zip(plain, summed, strict=True):
         out[i] = v
     return out
+
+
+def path_name(path: tuple[Any, ...], sep: str = "/") -> str:
+    """A key path as a readable name: ``"layers/0/kernel"``.
+
+    The ``path`` a leaf policy's ``compressor(path, leaf)`` or
+    ``compress_if(path, leaf)`` gets is JAX's key path of the leaf
+    (``jax.tree_util.tree_leaves_with_path``): a tuple of ``DictKey`` (dicts,
+    Flax linen's parameters and NNX ``State``: ``.key``), ``SequenceKey``
+    (lists, tuples: ``.idx``), ``GetAttrKey`` (dataclasses, NamedTuples:
+    ``.name``) and ``FlattenedIndexKey`` entries. On Flax NNX state the last
+    entry is ``GetAttrKey("value")``, the ``Variable``'s value, so
+    ``path[-1].key`` fails there; this joins every entry's name, without
+    that trailing ``value``.
+
+    Args:
+      path: a key path, as a leaf policy receives it.
+      sep: the separator between entries.
+
+    Returns:
+      The entries' names joined by ``sep``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, transforms
+      >>> tree = {"layers": [{"kernel": jnp.zeros(2)}]}
+      >>> [transforms.path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+      ['layers/0/kernel']
+    """
+    names = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+    if len(path) > 1 and isinstance(path[-1], jax.tree_util.GetAttrKey) and names[-1] == "value":
+        names = names[:-1]
+    return sep.join(names)
+
+
+def matrices(*, embeddings: bool = True) -> LeafPredicate:
+    """A ``compress_if`` for transformers: compress the matrices (and
+    kernels) only; vectors (LayerNorm scales, biases) and scalars go exact,
+    and with ``embeddings=False`` so do the leaves whose path names an
+    embedding (a path entry containing ``"embed"``, any case: Flax's
+    ``nn.Embed`` parameter is ``embedding``).
+
+    Vectors are a sliver of a transformer's bytes and lose the most to
+    quantization; DeepSpeed's ZeRO++ and torchft's compressed all-reduce
+    send 1-D tensors uncompressed, as does PyTorch's PowerSGD hook.
+    `transforms.compressed_fraction` says what share of the values is still
+    compressed.
+
+    Args:
+      embeddings: whether embedding tables are compressed (default True).
+
+    Returns:
+      ``compress_if(path, leaf) -> bool`` for every transformation that
+      takes one (`compressed_all_reduce`, `powersgd`, `gradiveq`).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, transforms
+      >>> params = {"embed": {"embedding": jnp.zeros((256, 64))},
+      ...           "ln": {"scale": jnp.zeros(64)}, "mlp": {"kernel": jnp.zeros((64, 256))}}
+      >>> keep = transforms.matrices(embeddings=False)
+      >>> leaves = jax.tree_util.tree_leaves_with_path(params)
+      >>> {transforms.path_name(p): keep(p, x) for p, x in leaves}
+      {'embed/embedding': False, 'ln/scale': False, 'mlp/kernel': True}
+    """
+    def compress_if(path: Any, leaf: Any) -> bool:
+        if np.ndim(leaf) < 2:
+            return False
+        return embeddings or not any("embed" in part.lower()
+                                     for part in path_name(path).split("/"))
+
+    return compress_if

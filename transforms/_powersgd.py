@@ -95,7 +95,7 @@ from transforms._blocks import leaves_like
 from transforms._finite import all_finite, keep_if_finite
 from transforms._phases import COMPRESSED, POWERSGD_START_ITER, WARM_UP
 from transforms._placement import per_device
-from transforms._policy import group_indices, sum_uncompressed
+from transforms._policy import LeafPredicate, group_indices, leaf_choices, sum_uncompressed
 from transforms._state import (
     check_entries,
     kept_per_device,
@@ -155,12 +155,20 @@ class _Settings:
     min_compression_rate: float
     mean: bool
     matrix_view: MatrixView
+    compress_if: LeafPredicate | None = None
 
     def compresses(self, leaf: Any) -> bool:
         """Whether a rank-``rank`` factorization of the leaf's matrix view pays."""
         return qc.powersgd_should_compress(jnp.shape(leaf), self.rank,
                                            min_compression_rate=self.min_compression_rate,
                                            view=self.matrix_view)
+
+    def compressed(self, tree: Any) -> list[bool]:
+        """Which leaves of ``tree`` (flatten order) are compressed: those
+        ``compress_if`` admits whose factorization pays (`compresses`)."""
+        return [c is not None for c in leaf_choices(
+            tree, lambda path, leaf: True if self.compresses(leaf) else None,
+            compress_if=self.compress_if)]
 
     def first_q(self, key: jax.Array, leaf: Any) -> jax.Array:
         """A fresh orthogonalized Gaussian ``Q`` for the leaf."""
@@ -170,7 +178,8 @@ class _Settings:
 def powersgd(axis_name: AxisName, *, rank: int, key: jax.Array,
              start_iter: int = POWERSGD_START_ITER, warm_start: bool = True,
              error_feedback: bool = True, min_compression_rate: float = 2.0, mean: bool = True,
-             matrix_view: MatrixView = "last") -> optax.GradientTransformation:
+             matrix_view: MatrixView = "last", compress_if: LeafPredicate | None = None
+             ) -> optax.GradientTransformation:
     """PowerSGD all-reduce of the gradients, as PyTorch's ``powerSGD_hook``.
 
     Steps ``0 .. start_iter - 1``: every leaf is averaged (or summed)
@@ -199,6 +208,9 @@ def powersgd(axis_name: AxisName, *, rank: int, key: jax.Array,
       matrix_view: how a leaf becomes an ``(n, m)`` matrix: ``"last"``
         (default, channels-last: ``prod(shape[:-1]) x shape[-1]``) or
         ``"first"`` (PyTorch's ``view(shape[0], -1)``).
+      compress_if: optional predicate ``(path, leaf) -> bool``: the leaves
+        it rejects go uncompressed, as those the rank does not shrink
+        (`transforms.matrices` keeps embeddings exact, say).
 
     Returns:
       An ``optax.GradientTransformation``; ``update(grads, state, params=None)``
@@ -236,7 +248,8 @@ def powersgd(axis_name: AxisName, *, rank: int, key: jax.Array,
         start_iter=check_int("start_iter", start_iter, low=0), warm_start=warm_start,
         error_feedback=error_feedback,
         min_compression_rate=check_float("min_compression_rate", min_compression_rate),
-        mean=mean, matrix_view=check_choice("matrix_view", matrix_view, get_args(MatrixView)))
+        mean=mean, matrix_view=check_choice("matrix_view", matrix_view, get_args(MatrixView)),
+        compress_if=compress_if)
     key = check_key("key", key)
     return optax.GradientTransformation(functools.partial(_init, key=key, settings=settings),
                                         functools.partial(_update, settings=settings))
@@ -246,8 +259,8 @@ def _init(params: optax.Params, *, key: jax.Array, settings: _Settings) -> Power
     leaves, treedef = jax.tree.flatten(params)
     residuals: list[Any] = []
     qs: list[Any] = []
-    for i, leaf in enumerate(leaves):
-        compressed = settings.compresses(leaf)
+    for i, (leaf, compressed) in enumerate(zip(leaves, settings.compressed(params),
+                                               strict=True)):
         residuals.append(zeros_or_masked(leaf, compressed and settings.error_feedback))
         qs.append(settings.first_q(jax.random.fold_in(key, i), leaf)
                   if compressed and settings.warm_start else optax.MaskedNode())
@@ -255,9 +268,10 @@ def _init(params: optax.Params, *, key: jax.Array, settings: _Settings) -> Power
                          jnp.zeros([], jnp.int32), key)
 
 
-def _expected_shapes(leaf: Any, settings: _Settings) -> dict[str, tuple[int, ...] | None]:
+def _expected_shapes(leaf: Any, compressed: bool,
+                     settings: _Settings) -> dict[str, tuple[int, ...] | None]:
     """The entries `_init` keeps for a leaf of this shape, and their shapes."""
-    if not settings.compresses(leaf):
+    if not compressed:
         return {}
     shape = tuple(jnp.shape(leaf))
     _, m = qc.powersgd_matrix_shape(shape, view=settings.matrix_view)
@@ -281,11 +295,12 @@ def _update(grads: optax.Updates, state: PowerSGDState, params: optax.Params | N
                                         "the PowerSGD local error",
                                         field_name="PowerSGD local errors")
     stored_q = leaves_like(grads, state.q, "PowerSGD Q memory")
-    for leaf, residual, q, path in zip(leaves, residuals, stored_q, leaf_paths(grads),
-                                       strict=True):
-        check_entries(path, leaf, settings.compresses(leaf),
+    which = settings.compressed(grads)
+    for leaf, residual, q, path, compressed in zip(leaves, residuals, stored_q, leaf_paths(grads),
+                                                   which, strict=True):
+        check_entries(path, leaf, compressed,
                       {"local error": residual, "Q memory": q},
-                      _expected_shapes(leaf, settings), owner="PowerSGD")
+                      _expected_shapes(leaf, compressed, settings), owner="PowerSGD")
     qs = [None if isinstance(q, optax.MaskedNode) else q for q in stored_q]
 
     def plain(leaves: list[jax.Array], residuals: list[Any], qs: list[Any], count: jax.Array,
@@ -300,7 +315,8 @@ def _update(grads: optax.Updates, state: PowerSGDState, params: optax.Params | N
     def power(leaves: list[jax.Array], residuals: list[Any], qs: list[Any], count: jax.Array,
               key: jax.Array) -> _Step:
         with qc.phase(COMPRESSED):
-            return _power_step(leaves, residuals, qs, jax.random.fold_in(key, count), settings)
+            return _power_step(leaves, residuals, qs, jax.random.fold_in(key, count), which,
+                               settings)
 
     args = (leaves, residuals, qs, state.count, state.key)
     if settings.start_iter == 0:
@@ -321,7 +337,7 @@ def _update(grads: optax.Updates, state: PowerSGDState, params: optax.Params | N
 
 
 def _power_step(leaves: list[jax.Array], residuals: list[Any], qs: list[Any],
-                step_key: jax.Array, settings: _Settings) -> _Step:
+                step_key: jax.Array, which: list[bool], settings: _Settings) -> _Step:
     """One compressed step: ``(updates, local errors, Q memory)``, leaf by leaf.
 
     Compressed leaves of one matrix view shape form a class. The large
@@ -333,10 +349,9 @@ def _power_step(leaves: list[jax.Array], residuals: list[Any], qs: list[Any],
     """
     axis_name = settings.axis_name
     n_dev = lax.axis_size(axis_name)
-    out = sum_uncompressed(leaves, [settings.compresses(g) for g in leaves], axis_name,
-                           mean=settings.mean)
+    out = sum_uncompressed(leaves, which, axis_name, mean=settings.mean)
     new_residuals, new_qs = list(residuals), list(qs)
-    mats = _matrices(leaves, residuals, settings)
+    mats = _matrices(leaves, residuals, which, settings)
     classes = group_indices([mats[i].shape if i in mats else None for i in range(len(leaves))])
     factors = _start_factors(classes, leaves, qs, step_key, settings)
     # Round one: P = sum_i M_i Q, summed per leaf (the buckets and sums
@@ -362,12 +377,12 @@ def _power_step(leaves: list[jax.Array], residuals: list[Any], qs: list[Any],
     return out, new_residuals, new_qs
 
 
-def _matrices(leaves: list[jax.Array], residuals: list[Any],
+def _matrices(leaves: list[jax.Array], residuals: list[Any], which: list[bool],
               settings: _Settings) -> dict[int, jax.Array]:
     """``M_i = g_i + e_i`` (float32) of each compressed leaf ``i``, as its matrix view."""
     mats = {}
-    for i, (g, residual) in enumerate(zip(leaves, residuals, strict=True)):
-        if settings.compresses(g):
+    for i, (g, residual, compressed) in enumerate(zip(leaves, residuals, which, strict=True)):
+        if compressed:
             mat = jnp.asarray(g, jnp.float32)
             if settings.error_feedback:
                 mat = mat + residual

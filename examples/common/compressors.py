@@ -43,7 +43,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
 import qcollect as qc
 import transforms
@@ -114,7 +113,8 @@ def gradiveq_slice_size(leaf_shape, *, min_slice: int) -> int | None:
 def _compressed(compressor, cfg, axis_name, key, **kwargs) -> optax.GradientTransformation:
     return transforms.compressed_all_reduce(axis_name, compressor=compressor, key=key,
                                             min_size=cfg.min_size, exchange=cfg.exchange,
-                                            **kwargs)
+                                            error_feedback=cfg.error_feedback,
+                                            mask_zero_rows=cfg.mask_zero_rows, **kwargs)
 
 
 def pmean_bf16(axis_name, block_specs=None) -> optax.GradientTransformation:
@@ -129,65 +129,12 @@ def pmean_bf16(axis_name, block_specs=None) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
-#: The phases of `uncompressed_first`, as it marks them (`qcollect.phase`).
-UNCOMPRESSED, COMPRESSED = "uncompressed", "compressed"
-
-
-def uncompressed_first(steps: int, tx: optax.GradientTransformation,
-                       axis_name) -> optax.GradientTransformation:
-    """The uncompressed mean (`pmean`) for the first ``steps`` updates, then
-    ``tx``, whose state starts at its first update then: 1-bit Adam's
-    warm-up (Tang et al. 2021, section 3; `common.frozen_adam`).
-
-    The phase is a ``lax.cond`` on a step count that is the same on every
-    device, so both phases are compiled once; its branches are marked
-    ``"uncompressed"`` and ``"compressed"`` (`qcollect.phase`; a phased
-    ``tx`` inside names its own phases, `after_uncompressed`).
-    """
-    def init(params):
-        return jnp.zeros((), jnp.int32), tx.init(params)
-
-    def exact(grads, inner, params):
-        with qc.phase(UNCOMPRESSED):
-            return qc.fused_psum(grads, axis_name, mean=True), inner
-
-    def compressed(grads, inner, params):
-        with qc.phase(COMPRESSED):
-            return tx.update(grads, inner, params)
-
-    def update(grads, state, params=None):
-        count, inner = state
-        mean, inner = lax.cond(count < steps, exact, compressed, grads, inner, params)
-        return mean, (optax.safe_int32_increment(count), inner)
-
-    return optax.GradientTransformation(init, update)
-
-
-def after_uncompressed(steps: int, first: int, inner=None) -> tuple:
-    """The phases of a run of ``steps`` through `uncompressed_first` with
-    ``first`` uncompressed steps: those, then ``inner(steps - first)`` (the
-    inner transformation's, from its own step 0) moved ``first`` steps on,
-    or one compressed phase.
-
-    Example:
-      >>> import transforms
-      >>> after_uncompressed(8, 2, lambda n: transforms.powersgd_phases(n, start_iter=3))
-      ... # doctest: +NORMALIZE_WHITESPACE
-      (PhaseSpan(name='uncompressed', start=0, stop=2),
-       PhaseSpan(name='warm-up', start=2, stop=5),
-       PhaseSpan(name='compressed', start=5, stop=8))
-    """
-    later = (inner(max(steps - first, 0)) if inner is not None
-             else (transforms.PhaseSpan(COMPRESSED, 0, max(steps - first, 0)),))
-    spans = (transforms.PhaseSpan(UNCOMPRESSED, 0, min(first, steps)),) + tuple(
-        span._replace(start=span.start + first, stop=span.stop + first) for span in later)
-    return tuple(span for span in spans if span.start < span.stop)
-
-
 def communication(name: str, cfg, axis_name, key, block_specs=None) -> Communication:
     """The `Communication` for compressor ``name`` with the settings of ``cfg``:
     with ``cfg.compress_after`` > 0, every compressor's all-reduce is the
-    uncompressed mean for that many steps first (`uncompressed_first`).
+    exact mean for that many steps first (``compress_after`` of
+    `transforms.compressed_all_reduce`; PowerSGD's ``start_iter``, which
+    means the same), marked ``"warm-up"``.
 
     ``entropy`` returns a transformation for the worst-case payload size; the
     training loop replaces it with planned ones (`entropy_transform`).
@@ -199,12 +146,7 @@ def communication(name: str, cfg, axis_name, key, block_specs=None) -> Communica
         raise ValueError(f"compress_after does not apply to {name}: the entropy compressor's "
                          "plans are made from the compressed steps, and GradiVeQ has its own "
                          "warm-up (gradiveq_warmup)")
-    comm = _communication(name, cfg, axis_name, key, block_specs)
-    if cfg.compress_after == 0 or name in ("none", COMPUTE_ONLY, PSUM_BF16):
-        return comm
-    return comm._replace(tx=uncompressed_first(cfg.compress_after, comm.tx, axis_name),
-                         phased=True, phases=functools.partial(
-                             after_uncompressed, first=cfg.compress_after, inner=comm.phases))
+    return _communication(name, cfg, axis_name, key, block_specs)
 
 
 #: The names `transforms.compressed_all_reduce` runs with one compressor.
@@ -227,8 +169,12 @@ def _communication(name: str, cfg, axis_name, key, block_specs=None) -> Communic
     if name == PSUM_BF16:
         return Communication(pmean_bf16(axis_name, block_specs))
     if name in _COMPRESSORS:
-        return Communication(_compressed(_COMPRESSORS[name](cfg), cfg, axis_name, key,
-                                         block_specs=block_specs))
+        first = cfg.compress_after
+        return Communication(
+            _compressed(_COMPRESSORS[name](cfg), cfg, axis_name, key, block_specs=block_specs,
+                        compress_after=first),
+            phased=first > 0, phases=functools.partial(transforms.warm_up_phases,
+                                                       compress_after=first) if first else None)
     if block_specs is not None:
         raise ValueError(f"compressors: with model axes the all-reduce takes "
                          f"{', '.join(MODEL_AXIS_COMPRESSORS)}, got {name!r}")
@@ -237,11 +183,12 @@ def _communication(name: str, cfg, axis_name, key, block_specs=None) -> Communic
                        block_size=cfg.entropy_block)
         return Communication(entropy_transform(c, None, cfg, axis_name, key), entropy=c)
     if name == "powersgd":
+        start = cfg.compress_after or cfg.powersgd_start
         return Communication(transforms.powersgd(axis_name, rank=cfg.powersgd_rank, key=key,
-                                                 start_iter=cfg.powersgd_start),
-                             phased=cfg.powersgd_start > 0,
+                                                 start_iter=start),
+                             phased=start > 0,
                              phases=functools.partial(transforms.powersgd_phases,
-                                                      start_iter=cfg.powersgd_start))
+                                                      start_iter=start))
     if name == "gradiveq":
         return Communication(gradiveq_transform(cfg, axis_name, key), phased=True,
                              phases=functools.partial(

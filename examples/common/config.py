@@ -57,7 +57,7 @@ class TrainConfig:
     `OPTIMIZERS`; the ``fsdp_*`` fields and ``weight_compressor`` apply to
     ``parallel="fsdp"`` only (`common.fsdp`), ``model_parallel`` > 1 makes a
     ``(data, model)`` mesh (`common.model_axes`), and ``freeze_variance``
-    is 1-bit Adam's frozen second moment (`common.frozen_adam`).
+    is 1-bit Adam's frozen second moment (`transforms.frozen_adamw`).
     """
 
     compressors: tuple[str, ...] = flag(
@@ -108,9 +108,16 @@ class TrainConfig:
         10, "PowerSGD's warm-up: steps of uncompressed all-reduce before the first "
             "compressed one")
     compress_after: int = flag(
-        0, "steps of uncompressed mean before any compressor's all-reduce starts (1-bit "
-           "Adam's warm-up; 0: compress from the first step); PowerSGD's and GradiVeQ's own "
-           "warm-ups follow it")
+        0, "steps of exact mean before any compressor's all-reduce starts (1-bit Adam's "
+           "warm-up; 0: compress from the first step); for PowerSGD it replaces "
+           "--powersgd-start (the same warm-up)")
+    error_feedback: str = flag(
+        "residual", "the one-compressor all-reduces' error feedback: residual (Seide's: what "
+                    "an encoding lost is added next step) or ef21 (each device tracks its "
+                    "gradient and sends the change, Richtarik et al. 2021)")
+    mask_zero_rows: bool = flag(
+        False, "true: rows whose gradient is zero on every device send no update and keep "
+               "their error-feedback state (one-bit's unused embedding rows)")
     freeze_variance: bool = flag(
         False, "true: Adam's second moment stops updating at --compress-after (1-bit Adam; "
                "needs --optimizer adam or adamw)")
@@ -192,6 +199,9 @@ class TrainConfig:
         check_folder("checkpoint_dir", self.checkpoint_dir)
         if tuple(self.mesh) not in (("data",), ("node", "local")):
             raise ValueError(f"mesh must be 'data' or 'node,local', got {','.join(self.mesh)!r}")
+        if self.error_feedback not in ("residual", "ef21"):
+            raise ValueError(f"error_feedback must be 'residual' or 'ef21', "
+                             f"got {self.error_feedback!r}")
         if self.exchange not in ("permute", "all_to_all"):
             raise ValueError(f"exchange must be 'permute' or 'all_to_all', "
                              f"got {self.exchange!r}")

@@ -52,7 +52,6 @@ from common import entropy_plan
 from common.checkpoints import Checkpoints, step_of
 from common.compressors import Communication, communication
 from common.devices import local_values
-from common.frozen_adam import frozen_adamw
 from common.task import as_task
 
 AXIS = "data"
@@ -78,7 +77,7 @@ class RunResult:
         names the transformation marks them with
         (`qcollect.wire_bytes_by_phase` of the compiled step: PowerSGD's
         ``warm-up`` and ``compressed``, GradiVeQ's ``warm-up``, ``sampling``
-        and ``compressed``, ``uncompressed`` before ``cfg.compress_after``);
+        and ``compressed``, ``warm-up`` before ``cfg.compress_after``);
         empty for an all-reduce of one phase.
       phases: the run's schedule, ``[name, start, stop]`` for each run of
         steps ``start .. stop - 1`` in one phase (`Communication.phases`);
@@ -137,7 +136,7 @@ def make_optimizer(cfg, learning_rate: float | optax.Schedule | None = None, *,
     """
     lr = cfg.learning_rate if learning_rate is None else learning_rate
     if cfg.freeze_variance:
-        return frozen_adamw(lr, cfg.compress_after,
+        return transforms.frozen_adamw(lr, cfg.compress_after,
                             weight_decay=weight_decay if cfg.optimizer == "adamw" else 0.0,
                             mask=_matrices)
     return {"adagrad": lambda: optax.adagrad(lr), "sgd": lambda: optax.sgd(lr),
