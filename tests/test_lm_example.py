@@ -212,8 +212,9 @@ def test_one_bit_adam_recipe_warms_up_uncompressed_then_freezes_the_variance(tmp
 @pytest.mark.parametrize("name", ["common.config", "common.text", "common.task",
                                   "common.wire_split", "common.report",
                                   "common.compressors", "common.train",
-                                  "lm.model", "lm.report",
-                                  "lm.main"])
+                                  "lm.model", "lm.report", "lm.main",
+                                  "lm.frontier", "lm.frontier_report",
+                                  "lm.time_to_target"])
 def test_docstring_examples(name):
     module = importlib.import_module(name)
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
@@ -415,3 +416,48 @@ def test_the_frontier_records_each_point_and_resumes(tmp_path, monkeypatch):
     assert frontier.main(args) == done
     with pytest.raises(ValueError, match="holds runs of 10 steps"):
         frontier.main([*args, "--steps", "12"])
+
+
+def test_time_to_target_times_each_phase_of_a_point(tmp_path, capsys):
+    """A frontier of four points and step times at two rates: steps to none's
+    final loss from the interpolated curves, seconds summed by phase (exact
+    warm-up steps at none's time, DiLoCo's inner steps at local's and one
+    outer exchange per round), a point that never reaches the target."""
+    from lm import time_to_target
+
+    def run(name, values, **settings):
+        return {"name": name, "seed": 0, "val_bits_per_byte": values[-1],
+                "curve": [[s, v] for s, v in zip((0, 10, 20), values, strict=True)],
+                "bytes_per_step": {"none": 100.0}.get(name, 10.0), "settings": settings}
+
+    runs = [run("none", [4.0, 3.0, 2.0], compressors=["none"]),
+            run("qsgd-4-w10", [4.0, 2.5, 1.5], compressors=["qsgd-4"], compress_after=10),
+            run("powersgd-r4", [4.0, 3.5, 2.5], compressors=["powersgd"], powersgd_rank=4,
+                powersgd_start=5),
+            run("diloco", [4.0, 2.0, 1.0], compressors=[], diloco_every=4,
+                outer_compressor=["qsgd-4"], diloco_sync_first=2)]
+    from lm import frontier_report
+    frontier_report.store(tmp_path / "frontier.json", 20,
+                          {(r["name"], 0): r for r in runs})
+    for rate, scale in ((100, 1.0), (25, 4.0)):
+        folder = tmp_path / f"steps_{rate}mbit"
+        folder.mkdir()
+        steps = {"none": 1.0, "local": 0.25, "qsgd-4": 0.5, "powersgd": 0.4}
+        (folder / "lm.json").write_text(json.dumps({
+            "config": {"powersgd_rank": 4},
+            "runs": [{"name": n, "step_seconds": scale * t} for n, t in steps.items()]}))
+    out = {r["name"]: r for r in time_to_target.main(["--frontier", str(tmp_path)])}
+    assert out["none"]["steps"] == 20 and out["none"]["seconds"] == {100: 20.0, 25: 80.0}
+    # 2.0 reached two thirds of the way from step 10 (2.5) to 20 (1.5)
+    assert out["qsgd-4-w10"]["steps"] == pytest.approx(15.0)
+    assert out["qsgd-4-w10"]["seconds"][100] == pytest.approx(10 * 1.0 + 5 * 0.5)
+    assert out["powersgd-r4"]["steps"] is None and out["powersgd-r4"]["seconds"][25] is None
+    # step 10: 2 synchronous steps, 8 inner steps, 2 outer rounds
+    assert out["diloco"]["steps"] == pytest.approx(10.0)
+    assert out["diloco"]["seconds"][25] == pytest.approx(4 * (2 + 8 * 0.25 + 2 * 0.25))
+    table = capsys.readouterr().out
+    assert "| none | 100 | +0.0% | 1 | 20 | 20 | 1.00x | 80 | 1.00x |" in table
+    assert "| powersgd-r4 |" in table and "not reached" in table
+    assert (tmp_path / "time_to_target.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(SystemExit):
+        time_to_target.main(["--frontier", str(tmp_path), "--rates", "10"])
