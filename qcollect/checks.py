@@ -30,9 +30,10 @@ from collections.abc import Sequence
 from typing import Any, Literal, TypeVar, overload
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["check_choice", "check_float", "check_int", "check_key"]
+__all__ = ["check_choice", "check_float", "check_floating_leaves", "check_int", "check_key"]
 
 T = TypeVar("T")
 
@@ -230,3 +231,30 @@ def check_key(name: str, value: Any) -> jax.Array:
     got = f"an array of {dtype} and shape {shape}" if dtype is not None else repr(value)
     raise ValueError(f"{name} must be one PRNG key, jax.random.key(seed) (or a legacy uint32 "
                      f"key of shape {legacy}, jax.random.PRNGKey(seed)), got {got}")
+
+
+def check_floating_leaves(tree: Any, name: str) -> None:
+    """Raises ValueError naming the first leaf of ``tree`` whose dtype is not
+    floating point.
+
+    An average of integers is not the average of the values (the mean of
+    0, 1000 and 2000 over four devices rounds to 0, 250, 500), and no
+    compressor has a scale for them, so gradients and the trees the
+    collectives reduce must be float16, bfloat16, float32 or float64.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> check_floating_leaves({"w": jnp.ones(3), "step": jnp.zeros((), jnp.int32)}, "grads")
+      Traceback (most recent call last):
+      ...
+      ValueError: grads['step'] has dtype int32: ... floating-point leaves ...
+    """
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        dtype = jnp.result_type(leaf)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(
+                f"{name}{jax.tree_util.keystr(path)} has dtype {dtype}: the all-reduce averages "
+                "floating-point leaves only (an integer mean rounds away the values). Keep "
+                "integer and boolean leaves out of the gradient tree, for example with "
+                "optax.masked, or cast them to a floating dtype.")
+

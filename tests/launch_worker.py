@@ -280,6 +280,18 @@ def main(argv) -> int:
         print("waiting", flush=True)
         while True:
             jax.block_until_ready(psum(x))
+    if mode == "raise":   # five collectives, then rank 1 raises; rank 0 waits in the sixth
+        x = global_array(mesh, inputs(jax.device_count()))
+        psum = jax.jit(jax.shard_map(functools.partial(jax.lax.psum, axis_name="d"), mesh=mesh,
+                                     in_specs=jax.P("d"), out_specs=jax.P()))
+        for _ in range(5):
+            jax.block_until_ready(psum(x))
+        if rank == 1:
+            print(f"raising at {time.time()}", flush=True)
+            raise RuntimeError("rank 1 fails after five collectives")
+        jax.block_until_ready(psum(x))
+        time.sleep(120)
+        return 0
     if mode == "crash":
         if rank == 1:
             sys.exit(3)

@@ -13,6 +13,7 @@ import contextlib
 import csv
 import os
 import pathlib
+import re
 import shutil
 import socket
 import subprocess
@@ -157,6 +158,44 @@ def test_mpirun_runs_one_job(tmp_path):
     _check_run(tmp_path, proc.stdout)
 
 
+def _check_ends_at_once(tmp_path, proc) -> None:
+    """The job of ``launch_worker.py raise`` ended within 15 s of the raise,
+    failed, showed rank 1's traceback and left no process behind."""
+    ended = time.time()
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0, text
+    assert "RuntimeError: rank 1 fails after five collectives" in text, text
+    raised = float(re.search(r"raising at ([0-9.]+)", text).group(1))
+    assert ended - raised < 15, f"the job ended {ended - raised:.0f} s after the raise: {text}"
+    for pid_file in tmp_path.glob("pid*"):
+        pid = int(pid_file.read_text())
+        deadline = time.monotonic() + 10
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(pid), f"process {pid} ({pid_file.name}) is still running"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = pathlib.Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split(") ")[-1].startswith("Z"))
+
+
+@pytest.mark.skipif(_mpirun_missing() is not None, reason=str(_mpirun_missing()))
+def test_a_rank_that_raises_ends_the_mpirun_job_at_once(tmp_path):
+    """Rank 1 raises after five collectives while rank 0 waits in the sixth:
+    the rank exits with its traceback instead of waiting in JAX's shutdown
+    barrier, and mpirun's abort on a failed rank ends the job (before: 309 s,
+    blaming rank 0)."""
+    proc = subprocess.run([*MPIRUN, "-np", "2", sys.executable, WORKER, "raise", str(tmp_path)],
+                          env=_clean_env(), capture_output=True, text=True, timeout=180,
+                          check=False)
+    _check_ends_at_once(tmp_path, proc)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(_mpirun_missing() is not None, reason=str(_mpirun_missing()))
 def test_mpirun_trains_the_mnist_example_as_one_job(tmp_path):
@@ -281,3 +320,12 @@ def test_srun_trains_the_mnist_example_as_one_job(slurm, tmp_path):
                       str(tmp_path)], check=False, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     _check_mnist(tmp_path, proc.stdout)
+
+
+def test_a_rank_that_raises_ends_the_srun_step_at_once(slurm, tmp_path):
+    """As under mpirun: ``srun --kill-on-bad-exit=1`` ends the step once the
+    raising task exits (before: still running after 100 s)."""
+    proc = slurm.run(["srun", "-n", "2", "--oversubscribe", "--kill-on-bad-exit=1",
+                      sys.executable, WORKER, "raise", str(tmp_path)], check=False)
+    _check_ends_at_once(tmp_path, proc)
+

@@ -339,6 +339,40 @@ def test_an_unbound_axis_name_is_named_with_the_bound_ones(name):
         per_device(step, 2)(grads)
 
 
+_CORE = {"core": qc.compressed_all_reduce, "reduce_scatter": qc.compressed_reduce_scatter,
+         "all_gather": qc.compressed_all_gather}
+
+
+@pytest.mark.parametrize("name", [*_transforms_on("d"), "accumulate", "diloco", *_CORE])
+def test_an_integer_leaf_is_refused_by_name(name):
+    """An int32 leaf among float ones: a ValueError naming the leaf from every
+    transformation and from the compressed collectives (before: the transform
+    returned zeros, the "mean" of integers, and the core named no leaf). The
+    uncompressed ring collectives sum integers exactly, as lax.psum does."""
+    import optax
+
+    import transforms
+
+    params = {"w": jnp.ones((16, 8)), "count": jnp.arange(4, dtype=jnp.int32) * 1000}
+    grads = jax.tree.map(lambda a: jnp.stack([a, a]), params)
+    txs = {**_transforms_on("d"),
+           # alone: optax.sgd before it would turn the integers into floats
+           "compressed_model_averaging": transforms.compressed_model_averaging(
+               "d", every_k=2, key=jax.random.key(0)),
+           "accumulate": transforms.accumulate("d", inner=optax.sgd(0.1), every=2),
+           "diloco": transforms.diloco("d", inner=optax.sgd(0.1), every=2)}
+
+    def step(g):
+        if name in _CORE:
+            return _CORE[name](g, "d", qc.qsgd(bits=4), jax.random.key(0)).value
+        tx = txs[name]
+        return jax.tree.leaves(tx.update(g, tx.init(params), params)[0])[0]
+
+    where = {"core": "x", "reduce_scatter": "x", "all_gather": "shard"}.get(name, "(grads|updates)")
+    with pytest.raises(ValueError, match=rf"{where}\['count'\] has dtype int32: .*floating-point"):
+        per_device(step, 2)(grads)
+
+
 _BAD_KEYS = {"None": None, "an int seed": 0, "a float array": np.ones(2, np.float32),
              "a batch of keys": jax.random.split(jax.random.key(0), 2),
              "int32 words": np.zeros(2, np.int32)}

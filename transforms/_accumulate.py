@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from qcollect.checks import check_int
+from qcollect.checks import check_floating_leaves, check_int
 from transforms._axes import AxisName, cond_matching_types
 from transforms._blocks import device_block
 from transforms._placement import per_device
@@ -112,6 +112,7 @@ def _init(params: optax.Params, *, inner: optax.GradientTransformation) -> Accum
 def _update(grads: optax.Updates, state: AccumulateState, params: optax.Params | None = None,
             *, axis_name: AxisName, inner: optax.GradientTransformation,
             every: int) -> tuple[optax.Updates, AccumulateState]:
+    check_floating_leaves(grads, "grads")
     stored = state.sums
     sums = jax.tree.map(
         lambda s, g: device_block(s, g, axis_name, "the accumulated gradient").astype(

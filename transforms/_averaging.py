@@ -83,7 +83,7 @@ import optax
 from jax import lax
 
 import qcollect as qc
-from qcollect.checks import check_int, check_key
+from qcollect.checks import check_floating_leaves, check_int, check_key
 from transforms._axes import AxisName, check_axis, to_varying
 from transforms._blocks import leaves_like
 from transforms._policy import (
@@ -197,6 +197,7 @@ def _update(updates: optax.Updates, state: ModelAveragingState,
                          "update(updates, state, params)")
     axis_name = settings.axis_name
     check_axis(axis_name)
+    check_floating_leaves(updates, "updates")
     leaves, treedef = jax.tree.flatten(updates)
     weights = _weights_of(updates, params)
     comps = leaf_compressors(params, settings.compressor, min_size=settings.min_size)

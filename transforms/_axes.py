@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from qcollect.checks import check_floating_leaves
 from qcollect.varying import cast_varying, varying_axes
 
 #: A data axis: one mesh axis name, or a tuple of them such as the pair
@@ -93,8 +94,10 @@ def check_local_gradients(grads: Any, axis_name: AxisName) -> None:
     ``psum``: such gradients are invariant along the axis and the compressed
     all-reduce would sum them a second time. Differentiate with respect to
     ``lax.pcast(params, axis_name, to="varying")`` to get this device's own
-    gradients. Under ``jax.pmap`` (no such types) nothing is checked.
+    gradients. Under ``jax.pmap`` (no such types) only the dtypes are
+    checked: every leaf must be floating point (`qcollect.checks.check_floating_leaves`).
     """
+    check_floating_leaves(grads, "grads")
     if not tracks_varying(axis_name):
         return
     for path, leaf in jax.tree_util.tree_leaves_with_path(grads):
@@ -107,8 +110,7 @@ def check_local_gradients(grads: Any, axis_name: AxisName) -> None:
                 f"jax.lax.pcast(params, {axis_name!r}, to='varying'). Or the gradients come "
                 f"from state placed replicated (P()), such as gradient accumulators: place "
                 f"the state with transforms.init_sharded and transforms.state_specs, which "
-                f"put the accumulators of transforms.accumulate and optax.MultiSteps per "
-                f"device.")
+                f"put the accumulators of transforms.accumulate per device.")
 
 
 def to_varying(tree: Any, axis_name: AxisName) -> Any:

@@ -72,7 +72,7 @@ import optax
 from jax import lax
 
 import qcollect as qc
-from qcollect.checks import check_float
+from qcollect.checks import check_float, check_floating_leaves
 from transforms._axes import AxisName, check_axis, to_varying
 from transforms._blocks import device_block
 from transforms._diloco_schedule import (
@@ -238,6 +238,7 @@ def _update(grads: optax.Updates, state: DiLoCoState, params: optax.Params | Non
     if params is None:
         raise ValueError("diloco needs params: call update(grads, state, params)")
     check_axis(s.axis_name)
+    check_floating_leaves(grads, "grads")
     step = s.schedule.at(state.count)
     like = jax.eval_shape(s.inner.init, params)
     stored_inner = state.inner

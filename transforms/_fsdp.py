@@ -41,7 +41,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
-from qcollect.checks import check_choice, check_key
+from qcollect.checks import check_choice, check_floating_leaves, check_key
 from transforms._axes import AxisName, check_axis, mesh_axes, varies_along
 from transforms._finite import keep_if_finite
 from transforms._placement import init_like_params, per_device, put
@@ -371,6 +371,7 @@ def clip_by_global_norm(max_norm: float, axis_name: AxisName) -> optax.GradientT
                params: optax.Params | None = None) -> tuple[optax.Updates, optax.OptState]:
         del params
         check_axis(axis_name)
+        check_floating_leaves(grads, "grads")
         leaves = jax.tree.leaves(grads)
         sharded = [leaf for leaf in leaves if varies_along(leaf, axis_name)]
         whole = [leaf for leaf in leaves if not varies_along(leaf, axis_name)]

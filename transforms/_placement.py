@@ -66,16 +66,22 @@ def per_device(*fields: str) -> Callable[[_T], _T]:
     return mark
 
 
-# Other libraries' states with per-device fields: optax.MultiSteps accumulates
-# each device's own gradients (its inner transformation's state is read as usual).
-_OTHER_PER_DEVICE = {optax.MultiStepsState: ("acc_grads",)}
+_MULTISTEPS = (
+    "optax.MultiSteps cannot run inside shard_map: its acc_grads must hold each device's "
+    "own gradient sum, and a per-device block there has a leading axis of 1 that its "
+    "update broadcasts into the parameters' shapes (a stateful optimizer then fails in "
+    "lax.cond, a stateless one silently returns parameters of another shape). Use "
+    "transforms.accumulate(axis_name, inner=<the chain>, every=k): it keeps the sums per "
+    "device and also sends once per k micro-steps instead of every micro-step. Under "
+    "jax.pmap optax.MultiSteps works as it is.")
 
 
 def _per_device_fields(node: Any) -> tuple[str, ...] | None:
     if not isinstance(node, tuple):
         return None
-    fields: tuple[str, ...] | None = getattr(type(node), "per_device_fields",
-                                             _OTHER_PER_DEVICE.get(type(node)))
+    if isinstance(node, optax.MultiStepsState):
+        raise ValueError(_MULTISTEPS)
+    fields: tuple[str, ...] | None = getattr(type(node), "per_device_fields", None)
     return fields
 
 
@@ -96,13 +102,15 @@ def state_specs(state: optax.OptState, axis_name: AxisName) -> Any:
 
     Returns:
       A pytree of the same structure with a `jax.sharding.PartitionSpec` per
-      leaf: ``P(axis_name)`` for error-feedback residuals (the fields each
-      state class lists in ``per_device_fields``; and the gradient
-      accumulators of ``optax.MultiSteps``), ``P()`` for the rest.
+      leaf: ``P(axis_name)`` for error-feedback residuals and gradient sums
+      (the fields each state class lists in ``per_device_fields``), ``P()``
+      for the rest.
 
     Raises:
       ValueError: a per-device leaf of a concrete state is not placed on the
-        mesh (a ``tx.init`` state on several devices: use `init_sharded`).
+        mesh (a ``tx.init`` state on several devices: use `init_sharded`);
+        the state holds an ``optax.MultiSteps`` state (use
+        `transforms.accumulate`).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, qcollect as qc, transforms
@@ -176,7 +184,8 @@ def init_sharded(tx: optax.GradientTransformation, params: optax.Params, mesh: M
       The placed state; `state_specs` of it gives the ``shard_map`` specs.
 
     Raises:
-      ValueError: an axis of ``axis_name`` is not an axis of ``mesh``.
+      ValueError: an axis of ``axis_name`` is not an axis of ``mesh``; ``tx``
+        holds ``optax.MultiSteps`` (use `transforms.accumulate`).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, qcollect as qc, transforms

@@ -105,6 +105,7 @@ from jax import lax
 
 from qcollect._config import check_choice, check_int
 from qcollect._payload import Compressor
+from qcollect.checks import check_floating_leaves
 from qcollect.collectives._algorithms import (
     EXCHANGES,
     Chunks,
@@ -195,8 +196,7 @@ def compressed_all_reduce(x: Any, axis_name: AxisName, compressor: Compressor,
         ``"ring_requantize"`` or ``"auto"`` (ring where linear, else pairwise;
         docs/collectives.md#compressed_all_reduce-and-its-three-algorithms).
       mean: divide the sum by the number of devices (of both axes).
-      fuse: place leaves of one dtype side by side in one segment (default);
-        with False every leaf is reduced on its own.
+      fuse: leaves of one dtype side by side in one segment (default), or alone.
       bucket_bytes: the largest bucket of fused leaves (default 4 MiB); a
         leaf of that size or more is reduced on its own. None: no cap.
       pipeline: pieces per chunk of a row segment, each reduced by its own
@@ -227,10 +227,10 @@ def compressed_all_reduce(x: Any, axis_name: AxisName, compressor: Compressor,
       ``owner_error`` are this device's own, typed varying.
 
     Raises:
-      ValueError: unknown algorithm or exchange, ``"ring"`` with a non-linear
-        compressor, ``owner_residual`` with another algorithm, an
-        ``axis_name`` tuple that is not two different axes, or
-        ``pipeline > 1`` with two.
+      ValueError: a leaf of ``x`` not floating point (named), unknown
+        algorithm or exchange, ``"ring"`` with a non-linear compressor,
+        ``owner_residual`` with another algorithm, an ``axis_name`` tuple
+        that is not two different axes, or ``pipeline > 1`` with two.
 
     References:
       Yu et al. (GradiVeQ), NeurIPS 2018 <https://arxiv.org/abs/1811.03617>,
@@ -240,6 +240,7 @@ def compressed_all_reduce(x: Any, axis_name: AxisName, compressor: Compressor,
       hierarchical: Wang et al. (ZeRO++), 2023 <https://arxiv.org/abs/2306.10209>;
         Markov, Ramezani and Alistarh (CGX), Middleware 2022.
     """
+    check_floating_leaves(x, "x")
     settings = _checked_settings(
         compressor, key, axis_name, algorithm=algorithm, mean=mean, fuse=fuse,
         bucket_bytes=bucket_bytes, pipeline=pipeline, owner_residual=owner_residual,

@@ -58,6 +58,7 @@ from jax import lax
 
 from qcollect._config import check_choice, per_leaf
 from qcollect._payload import Compressor
+from qcollect.checks import check_floating_leaves
 from qcollect.collectives._algorithms import (
     EXCHANGES,
     Exchange,
@@ -99,6 +100,7 @@ def _prepared(tree: Any, axis_name: AxisName, compressor: Compressor, key: jax.A
     if compressor.stochastic and key is None:
         raise ValueError(f"{compressor.name} is stochastic: pass key")
     check_choice("exchange", exchange, EXCHANGES)
+    check_floating_leaves(tree, "shard" if name == "gather_dimension" else "x")
     key = jax.random.fold_in(jax.random.key(0) if key is None else key,
                              lax.axis_index(axis_name))
     leaves, treedef = jax.tree.flatten(tree)

@@ -49,6 +49,7 @@ import os
 import signal
 import sys
 import threading
+from typing import Any
 
 from qcollect.launch import _cluster, _env
 from qcollect.launch._args import parse_delay, parse_rate
@@ -117,8 +118,8 @@ def initialize(cluster: str | None = None) -> bool:
     (``jax_cpu_collectives_implementation``); calls
     ``jax.distributed.initialize``; and restores the SIGTERM handler it
     found (the default action, normally), which ``jax.distributed`` replaces
-    by one that only records the signal. Calling it again after it joined is
-    a no-op.
+    by one that only records the signal; under a cluster launcher an uncaught
+    exception ends the process at once (`_fail_at_once`). A second call is a no-op.
 
     Call it before any other JAX use (before the first ``jax.devices()`` or
     computation): device count and collectives are fixed when JAX creates its
@@ -172,7 +173,34 @@ def initialize(cluster: str | None = None) -> bool:
     # under the launcher SIGTERM means "stop now" (or what the script set up).
     if main_thread:
         signal.signal(signal.SIGTERM, signal.SIG_DFL if handler is None else handler)
+    if job.source != "qcollect":   # the launcher's workers do this themselves (_worker.py)
+        _fail_at_once()
     return True
+
+
+def _fail_at_once() -> None:
+    """An uncaught exception ends this process at once with status 1, after
+    its traceback.
+
+    Without this, a rank of ``mpirun`` or ``srun`` that raised would wait in
+    ``jax.distributed``'s exit-time shutdown barrier (about five minutes)
+    for peers that may be blocked in a collective with it, so neither
+    ``mpirun``'s abort on a failed rank nor ``srun --kill-on-bad-exit`` could
+    act on it. A non-zero ``sys.exit`` is not an exception and still runs
+    interpreter shutdown.
+    """
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        previous(kind, value, tb)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(1)
+
+    sys.excepthook = hook
 
 
 _said = threading.Event()
