@@ -169,3 +169,10 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+# A script that uses JAX inside an srun/mpirun job without joining it gets
+# one line at exit (`qcollect.launch.warn_unjoined_at_exit`).
+from qcollect.launch import warn_unjoined_at_exit as _warn_unjoined_at_exit  # noqa: E402
+
+_warn_unjoined_at_exit()
+

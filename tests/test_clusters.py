@@ -185,6 +185,21 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(_mpirun_missing() is not None, reason=str(_mpirun_missing()))
+def test_a_script_that_never_joins_the_mpirun_job_says_so(tmp_path):
+    """A script that imports qcollect and uses JAX without `initialize` under
+    mpirun: each rank runs alone, as asked, but says so in one line at exit
+    (before: two lone runs, exit 0, not a word)."""
+    script = tmp_path / "alone.py"
+    script.write_text("import qcollect, jax\nprint(jax.process_count(), flush=True)\n")
+    proc = subprocess.run([*MPIRUN, "-np", "2", sys.executable, str(script)], env=_clean_env(),
+                          capture_output=True, text=True, timeout=180, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if "never joined" in ln]
+    assert len(lines) == 2 and "ompi job, process 0 of 2" in proc.stderr, proc.stderr
+    assert "call qcollect.launch.initialize()" in lines[0]
+
+
+@pytest.mark.skipif(_mpirun_missing() is not None, reason=str(_mpirun_missing()))
 def test_a_rank_that_raises_ends_the_mpirun_job_at_once(tmp_path):
     """Rank 1 raises after five collectives while rank 0 waits in the sixth:
     the rank exits with its traceback instead of waiting in JAX's shutdown

@@ -44,6 +44,7 @@ collective with it.
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import signal
@@ -54,7 +55,8 @@ from typing import Any
 from qcollect.launch import _cluster, _env
 from qcollect.launch._args import parse_delay, parse_rate
 
-__all__ = ["Job", "initialize", "is_launched", "job", "main", "parse_delay", "parse_rate"]
+__all__ = ["Job", "initialize", "is_launched", "job", "main", "parse_delay", "parse_rate",
+           "warn_unjoined_at_exit"]
 
 Job = _cluster.Job
 
@@ -215,6 +217,37 @@ def _say_single_once(cluster: str | None) -> None:
     print("qcollect.launch: no launcher or cluster job found (qcollect, SLURM srun, Open MPI, "
           "MPI, Kubernetes indexed job): running as a single process "
           f"({_cluster.CLUSTER}=none says so without this line)", file=sys.stderr, flush=True)
+
+
+_watching = threading.Event()
+
+
+def warn_unjoined_at_exit() -> None:
+    """Registers, once, an exit handler that prints one line on stderr when
+    this process used JAX inside a cluster job of several processes (``srun``,
+    ``mpirun``, ...) without joining it: a script that forgot `initialize`
+    runs as N independent single-process jobs and would otherwise exit 0
+    without a word. ``import qcollect`` registers it; the local launcher
+    detects the same mistake itself (its workers' reports).
+    """
+    if not _watching.is_set():
+        _watching.set()
+        atexit.register(_warn_unjoined)
+
+
+def _warn_unjoined() -> None:
+    jax = sys.modules.get("jax")
+    if jax is None or is_launched():
+        return
+    try:
+        found = _cluster.detect()
+    except ValueError:
+        return
+    if found is None or found.num_processes == 1 or jax.distributed.is_initialized():
+        return
+    print(f"qcollect.launch: this process is part of a {found.describe()} but never joined "
+          "it, so it ran alone: call qcollect.launch.initialize() before any other JAX use",
+          file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
