@@ -47,7 +47,7 @@ from common.devices import simulate_cpu_devices  # noqa: E402
 simulate_cpu_devices(default=4)
 
 from common import gate  # noqa: E402
-from common.config import COMPRESSOR_NAMES, TrainConfig, parse_bool  # noqa: E402
+from common.config import COMPRESSOR_NAMES, TrainConfig, check_folder, parse_bool  # noqa: E402
 from common.devices import data_mesh  # noqa: E402
 from common.experiment import describe, prepare, train_each  # noqa: E402
 from common.mnist import load_mnist  # noqa: E402
@@ -235,6 +235,7 @@ def parse_args(argv=None):
     if args.mlp_width < 1:
         p.error(f"--mlp-width must be >= 1, got {args.mlp_width}")
     try:
+        check_folder("out", args.out)
         groups = plan(args)
     except ValueError as err:
         p.error(str(err))

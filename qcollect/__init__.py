@@ -83,9 +83,16 @@ from qcollect.compressors._powersgd import (
 )
 from qcollect.compressors._qsgd import QSGD_BUCKET_SIZES, QSGDCompressor, qsgd
 from qcollect.compressors._threshold import ThresholdCompressor, threshold
-from qcollect.measure._phases import phase, wire_bytes_by_phase
+from qcollect.measure._phases import phase
 from qcollect.measure._traffic import Kernel, memory_bytes, memory_report
-from qcollect.measure._wire import WireOp, bytes_along, wire_bytes, wire_bytes_by_axis, wire_report
+from qcollect.measure._wire import (
+    WireOp,
+    bytes_along,
+    wire_bytes,
+    wire_bytes_by_axis,
+    wire_bytes_by_phase,
+    wire_report,
+)
 
 __all__ = [
     "ALGORITHMS",

@@ -220,6 +220,36 @@ PREFIX_SUMS_PER_WORD = Entry(
     test="test_sparse_selection_prefix_sums_words",
 )
 
+STACKED_BUCKETS = Entry(
+    backend="XLA:CPU (one process, and Gloo across processes)",
+    behaviour="a class of equal buckets run as one batch (one vmapped program) is first "
+              "copied into one stack: for buckets over 4 MiB the copies cost more than the "
+              "per-bucket hops they save (a transformer block at width 1024, 4 and 16 MiB "
+              "leaves, one process: qsgd-4 batching every class 149.9 ms per step, traced "
+              "bucket by bucket 75.1 ms)",
+    workaround="batch_buckets='auto' (qc.BATCH_BUCKETS) batches classes of buckets of at "
+               "most qc.AUTO_BATCH_BYTES (4 MiB) and traces larger ones, unless a class has "
+               "more than qc.AUTO_TRACE_LIMIT of them (`runs_batched` of the collectives)",
+    platforms="cpu as measured; gpu and tpu get the same thresholds, unmeasured (a guess "
+              "either way: a kernel launch per bucket favours batching there, and their "
+              "memory bandwidth makes the stack's copies cheaper)",
+    test="test_auto_batches_small_buckets_and_traces_large_ones",
+)
+
+SHIFTS_EXCHANGE = Entry(
+    backend="Gloo (the CPU backend across processes) and XLA:CPU in one process",
+    behaviour="one all-to-all of the stacked payloads was never faster beyond noise than "
+              "N - 1 ppermute shifts (Gloo moves a large all-to-all well under the link "
+              "rate; in one process it adds two copies of the payload)",
+    workaround="exchange='permute' is the default of every collective that takes "
+               "`exchange` (qc.compressed_all_reduce, qc.compressed_reduce_scatter, "
+               "qc.fsdp_gather); exchange='all_to_all' is one lax.all_to_all",
+    platforms="cpu as measured; gpu and tpu get the shifts too, unmeasured (NCCL's and the "
+              "TPU's all-to-all move every pair at once and may well win: a guess until "
+              "measured, docs/collectives.md#one-all-to-all-or-n---1-shifts)",
+    test="test_the_shifts_are_the_default_exchange",
+)
+
 #: Every entry, by name.
 ENTRIES: dict[str, Entry] = {
     "WIDE_16_BIT": WIDE_16_BIT,
@@ -237,6 +267,8 @@ ENTRIES: dict[str, Entry] = {
     "TOP_K_ON_FLOATS": TOP_K_ON_FLOATS,
     "SEPARATE_OUTER_PRODUCTS": SEPARATE_OUTER_PRODUCTS,
     "PREFIX_SUMS_PER_WORD": PREFIX_SUMS_PER_WORD,
+    "STACKED_BUCKETS": STACKED_BUCKETS,
+    "SHIFTS_EXCHANGE": SHIFTS_EXCHANGE,
 }
 
 _NARROW_FLOATS = {jnp.dtype(jnp.bfloat16): jnp.uint16, jnp.dtype(jnp.float16): jnp.uint16}

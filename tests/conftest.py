@@ -40,10 +40,22 @@ INTEGRATION = frozenset({
 })
 
 
+#: A unit test recorded above this many seconds (``tests/durations.json``)
+#: is ``heavy``: ``-m "not slow and not integration and not heavy"`` is the
+#: fast tier, the rest of the unit tests in a few minutes on 2 cores.
+HEAVY_SECONDS = 2.0
+
+
 def pytest_collection_modifyitems(config, items):
-    """Marks every test of an `INTEGRATION` module ``integration``."""
+    """Marks every test of an `INTEGRATION` module ``integration`` and every
+    other test recorded above `HEAVY_SECONDS` ``heavy``."""
     import pytest
 
+    from tests.durations import load
+
+    recorded = load()
     for item in items:
         if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in INTEGRATION:
             item.add_marker(pytest.mark.integration)
+        elif recorded.get(item.nodeid, 0.0) > HEAVY_SECONDS:
+            item.add_marker(pytest.mark.heavy)

@@ -337,3 +337,33 @@ def test_sparse_selection_prefix_sums_words():
     text = _lowered(lambda w: compact_words(w, 4096, 64), words)
     sums = re.findall(r"call @cumsum\S*\((?:[^)]*)\) : \(tensor<(\d+)x", text)
     assert sums and all(int(n) <= 128 for n in sums), sums
+
+
+# STACKED_BUCKETS
+
+def test_auto_batches_small_buckets_and_traces_large_ones():
+    """Guard: ``"auto"`` batches a class of buckets up to AUTO_BATCH_BYTES
+    and traces larger ones (up to AUTO_TRACE_LIMIT of them); the default is
+    ``"auto"``."""
+    limit, many = qc.AUTO_BATCH_BYTES, qc.AUTO_TRACE_LIMIT
+    assert qc.BATCH_BUCKETS == "auto" and limit == 4 << 20
+    assert qc.runs_batched(2, limit) and not qc.runs_batched(2, limit + 1)
+    assert not qc.runs_batched(many, 4 * limit) and qc.runs_batched(many + 1, 4 * limit)
+
+
+# SHIFTS_EXCHANGE
+
+def test_the_shifts_are_the_default_exchange():
+    """Guard: every collective that takes ``exchange`` defaults to the N - 1
+    shifts, and the default pairwise all-reduce compiles to
+    collective-permutes, no all-to-all."""
+    import inspect
+
+    for fn in (qc.compressed_all_reduce, qc.compressed_reduce_scatter, qc.fsdp_gather):
+        assert inspect.signature(fn).parameters["exchange"].default == "permute", fn
+    n = 4
+    x = jnp.ones((n, n * 64))
+    hlo = _sharded_hlo(lambda v: qc.compressed_all_reduce(
+        v[0], "d", qc.qsgd(bits=4), jax.random.key(0), algorithm="pairwise").value[None],
+        x, n, compiled=True)
+    assert "collective-permute" in hlo and "all-to-all" not in hlo

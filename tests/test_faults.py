@@ -2,6 +2,9 @@
 float32 range (and non-finite input non-finite), alone and through the collective."""
 
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -242,9 +245,9 @@ def test_update_on_another_tree_names_the_first_difference():
     tx = transforms.compressed_all_reduce("d", compressor=qc.onebit(), key=jax.random.key(0))
     state = tx.init({"a": jnp.zeros((8, 8)), "b": jnp.zeros((4, 4))})
 
-    def update(grads):
-        run = per_device(lambda g: tx.update(g, state)[0], 2)
-        return run(jax.tree.map(lambda a: jnp.stack([a, a]), grads))
+    def update(grads):   # the state stacked per device, as init_sharded places it
+        run = per_device(lambda g, s: tx.update(g, s)[0], 2)
+        return run(*jax.tree.map(lambda a: jnp.stack([a, a]), (grads, state)))
 
     with pytest.raises(ValueError, match=r"not the one init saw.*\['c'\]"):
         update({"a": jnp.zeros((8, 8)), "c": jnp.zeros((4, 4))})
@@ -402,7 +405,25 @@ def test_typed_and_legacy_keys_are_accepted():
 
     for key in (jax.random.key(0), jax.random.PRNGKey(0), np.asarray(jax.random.PRNGKey(0))):
         tx = transforms.compressed_all_reduce("d", compressor=qc.qsgd(bits=4), key=key)
-        state = tx.init({"w": jnp.ones((4, 4))})
-        out = per_device(lambda g, s=state, tx=tx: tx.update(g, s)[0], 2)(
-            {"w": jnp.ones((2, 4, 4))})
+        state = jax.tree.map(lambda a: jnp.stack([a, a]), tx.init({"w": jnp.ones((4, 4))}))
+        out = per_device(lambda g, s, tx=tx: tx.update(g, s)[0], 2)(
+            {"w": jnp.ones((2, 4, 4))}, state)
         assert np.isfinite(np.asarray(out["w"])).all()
+
+
+def test_a_folder_named_qcollect_that_shadows_the_package_is_named(tmp_path):
+    """From a directory holding a folder named ``qcollect`` (a checkout, say),
+    Python may take that folder for the package (a namespace package, with an
+    editable install); ``import transforms`` then names the folder."""
+    (tmp_path / "qcollect").mkdir()
+
+    def run(code):
+        return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""})
+
+    probe = run("import qcollect; print(getattr(qcollect, '__file__', None))")
+    if probe.stdout.strip() != "None":
+        pytest.skip("this install finds the installed package before the folder")
+    out = run("import transforms")
+    assert out.returncode == 1
+    assert f"found the folder {tmp_path / 'qcollect'}, not the installed package" in out.stderr

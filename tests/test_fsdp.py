@@ -174,6 +174,48 @@ def test_non_finite_gradient_on_one_device_keeps_every_residual():
         np.testing.assert_array_equal(np.asarray(after.residual[name]), before[name])
 
 
+def test_apply_if_finite_skips_a_non_finite_step_on_every_device():
+    """One device's batch holds an Inf: `transforms.apply_if_finite` skips the
+    step on all devices (every shard and AdamW moment unchanged), counts it,
+    applies a step past ``max_consecutive_errors`` as optax's does, and a
+    finite step resets the count."""
+    fsdp = transforms.fsdp("d", dimension=DIMS, key=jax.random.key(0),
+                           gradients=qc.onebit(bucket_size=32))
+    opt = transforms.apply_if_finite(optax.adamw(1e-2), "d", max_consecutive_errors=1)
+    shards, fstate, opt_state, step = _fsdp_trainer(fsdp, opt)
+    x, y = _data(3)
+    shards, fstate, opt_state, _, _ = step(shards, fstate, opt_state, x[0], y[0])
+    bad = x[1].at[3].set(jnp.inf)  # a row of device 0's batch
+    kept, kept_f, skipped, _, _ = step(shards, fstate, opt_state, bad, y[1])
+    for new, old in zip(jax.tree.leaves((kept, skipped.inner_state)),
+                        jax.tree.leaves((shards, opt_state.inner_state)), strict=True):
+        np.testing.assert_array_equal(np.asarray(new), np.asarray(old))
+    assert (int(skipped.notfinite_count), bool(skipped.last_finite),
+            int(skipped.total_notfinite)) == (1, False, 1)
+    applied, _, again, _, _ = step(kept, kept_f, skipped, bad, y[1])
+    assert int(again.notfinite_count) == 2 and not np.isfinite(np.asarray(applied["w1"])).all()
+    trained, _, reset, _, _ = step(kept, kept_f, skipped, x[2], y[2])
+    assert int(reset.notfinite_count) == 0 and int(reset.total_notfinite) == 1
+    assert not np.array_equal(np.asarray(trained["w1"]), np.asarray(kept["w1"]))
+    for wrong in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="max_consecutive_errors"):
+            transforms.apply_if_finite(optax.sgd(0.1), "d", max_consecutive_errors=wrong)
+
+
+def test_optax_clip_by_global_norm_on_shards_is_refused_by_name():
+    """optax.clip_by_global_norm on shards clips by one device's norm and makes
+    the replicated bias's update vary (before: shard_map's out_specs error
+    for each leaf); init_on_shards names the leaf and the sharded clip."""
+    mesh = mesh_of(N)
+    shards = transforms.shard_params(_params(), mesh, "d", DIMS)
+    bad = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    with pytest.raises(ValueError, match=r"replicated leaf \['b'\] varies across 'd'.*"
+                                         r"transforms.clip_by_global_norm\(max_norm, 'd'\)"):
+        transforms.init_on_shards(bad, shards, mesh)
+    good = optax.chain(transforms.clip_by_global_norm(1.0, "d"), optax.adamw(1e-3))
+    assert transforms.init_on_shards(good, shards, mesh)[1][0].mu["w1"].shape == (12, 32)
+
+
 def test_differentiable_gather_over_two_axes():
     """(node, local): the gradient of the identity gather equals the mean
     gradient; the shards are those of P(("node", "local"))."""

@@ -5,6 +5,7 @@ import importlib
 import importlib.util
 import json
 import math
+import os
 import pathlib
 import sys
 
@@ -188,6 +189,27 @@ def test_config_checks_learning_rate_and_output_dir_before_training(tmp_path, ca
     with pytest.raises(SystemExit):
         parse_config(Config, ["--output-dir", str(file)])
     assert "output_dir" in capsys.readouterr().err
+
+
+def test_folders_that_cannot_be_written_are_refused_before_training(tmp_path, capsys):
+    """An output or checkpoint folder on a read-only file system (here one
+    that no one may write in: a folder without write permission, or /proc
+    for root) is refused at the command line, not after training."""
+    from common.config import parse_config
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        where = locked if os.geteuid() != 0 else pathlib.Path("/proc")
+        for flag in ("--output-dir", "--checkpoint-dir"):
+            with pytest.raises(SystemExit):
+                parse_config(Config, [flag, str(where / "results")])
+            err = capsys.readouterr().err
+            assert f"{flag[2:].replace('-', '_')} '{where / 'results'}' cannot be written" in err
+        parse_config(Config, ["--output-dir", str(tmp_path / "new" / "results")])
+    finally:
+        locked.chmod(0o755)
 
 
 def test_one_bit_adam_recipe_warms_up_uncompressed_then_freezes_the_variance(tmp_path):

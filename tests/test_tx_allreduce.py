@@ -447,6 +447,51 @@ def test_multisteps_is_refused_by_init_sharded(name):
 
 
 @pytest.mark.parametrize("name", GRADIENT_TRANSFORMS)
+def test_apply_if_finite_around_the_all_reduce_is_refused(name):
+    """optax.apply_if_finite wrapped around the all-reduce would decide from
+    each device's own gradients (inside shard_map: a lax.cond error naming
+    neither); init_sharded and state_specs refuse it and say to chain it after."""
+    tx = optax.apply_if_finite(optax.chain(GRADIENT_TRANSFORMS[name](), optax.adam(1e-3)), 3)
+    with pytest.raises(ValueError, match=r"apply_if_finite wraps \w+State.*Chain it after"):
+        _start(tx)
+    params, _, _ = _problem()
+    with pytest.raises(ValueError, match="Chain it after"):
+        transforms.state_specs(jax.eval_shape(tx.init, params), "d")
+    after = optax.chain(GRADIENT_TRANSFORMS[name](), optax.apply_if_finite(optax.adam(1e-3), 3))
+    assert transforms.state_specs(_start(after)[1], "d")
+
+
+def test_state_specs_on_another_axis_names_the_axis_the_state_is_placed_on():
+    """state_specs(state, "batch") for a state placed along "d": a ValueError
+    naming both (before: shard_map's in_specs error)."""
+    _, state, _, _ = _start(_tx(qc.qsgd(bits=4), key=jax.random.key(0)))
+    with pytest.raises(ValueError, match=r"axis_name 'batch'.*residual\['b'\] is placed "
+                                         r"along 'd'.*state_specs\(state, 'd'\)"):
+        transforms.state_specs(state, "batch")
+
+
+@pytest.mark.parametrize("name", GRADIENT_TRANSFORMS)
+def test_per_device_state_passed_replicated_is_refused(name):
+    """The state from tx.init with P() specs written by hand: each update
+    names the per-device leaf and state_specs (before: an out_specs error)."""
+    tx = GRADIENT_TRANSFORMS[name]()
+    params, x, y = _problem()
+    state = tx.init(params)
+    specs = jax.tree.map(lambda _: P(), state)
+
+    def body(params, state, x, y):
+        g = jax.grad(_loss)(lax.pcast(params, "d", to="varying"), x[0], y[0])
+        return tx.update(g, state, params)
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh_of(N), in_specs=(P(), specs, P("d"), P("d")),
+                                 out_specs=(P(), specs)))
+    x, y = jax.device_put((x, y), NamedSharding(mesh_of(N), P("d")))
+    with pytest.raises(ValueError, match=r"the same on every device along 'd' .*"
+                                         r"state_specs\(state, 'd'\).*init_sharded"):
+        step(params, state, x, y)
+
+
+@pytest.mark.parametrize("name", GRADIENT_TRANSFORMS)
 def test_state_for_another_device_count_is_refused(name):
     """A state made for 4 devices, its (4, ...) residuals placed P("d") on 2 devices."""
     tx = GRADIENT_TRANSFORMS[name]()

@@ -1,6 +1,7 @@
 """wire_bytes reads what the compiled program sends."""
 
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -293,10 +294,25 @@ def test_each_marked_phase_counts_its_branch_and_what_runs_always():
     by_phase = qc.wire_bytes_by_phase(run.mapped, *args)
     assert by_phase == {"compressed": round(_allreduce(n, 8 + 16)),
                         "warm-up": round(_allreduce(n, 64 + 16))}
-    assert qc.wire_bytes(run.mapped, *args) == by_phase["warm-up"]
+    assert qc.wire_bytes(run.mapped, *args, branches="max") == by_phase["warm-up"]
     assert qc.wire_bytes(run.mapped, *args, branches="min") == by_phase["compressed"]
     with pytest.raises(ValueError, match="branches"):
         qc.wire_bytes_by_phase(run.mapped, *args, branches="mean")
+
+
+def test_wire_bytes_of_a_phased_step_says_each_phase_sends_differently():
+    n = 4
+    run = per_device(_phased(), n)
+    args = run.shard(jnp.zeros((n, 64)))
+    warm, compressed = round(_allreduce(n, 64 + 16)), round(_allreduce(n, 8 + 16))
+    with pytest.warns(UserWarning, match=rf"compressed {compressed:,}, warm-up {warm:,}.*"
+                                         "wire_bytes_by_phase"):
+        assert qc.wire_bytes(run.mapped, *args) == warm
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert qc.wire_bytes(run.mapped, *args, branches="max") == warm
+        unphased = per_device(lambda v: lax.pcast(lax.psum(v, "d"), "d", to="varying"), n)
+        assert qc.wire_bytes(unphased.mapped, *args) == round(_allreduce(n, 64))
 
 
 def test_unmarked_programs_have_no_phases_and_a_mark_outside_a_conditional_names_the_one():

@@ -9,6 +9,15 @@ residuals are per device (`state_specs`, `init_sharded`). docs/transforms.md
 is the guide, with a training step for each transformation.
 """
 
+import qcollect as _qcollect
+
+if getattr(_qcollect, "__file__", None) is None:  # a folder, not the package
+    raise ImportError(
+        f"'import qcollect' found the folder {', '.join(_qcollect.__path__)}, not the "
+        "installed package: a folder named qcollect in the current directory (or on "
+        "PYTHONPATH) shadows an editable install. Run from another directory, or rename "
+        "the folder.")
+
 from transforms._accumulate import AccumulateState, accumulate
 from transforms._all_reduce import CompressedAllReduceState, compressed_all_reduce
 from transforms._averaging import ModelAveragingState, compressed_model_averaging
@@ -16,6 +25,7 @@ from transforms._blocks import local_replica
 from transforms._checkpoint import restore_sharded
 from transforms._diloco import DiLoCoState, diloco
 from transforms._diloco_schedule import DiLoCoStep, diloco_schedule, fragment_masks
+from transforms._finite import apply_if_finite
 from transforms._frozen_adam import FrozenAdamState, frozen_adamw, scale_by_frozen_adam
 from transforms._fsdp import (
     FSDP,
@@ -53,6 +63,7 @@ __all__ = [
     "PhaseSpan",
     "PowerSGDState",
     "accumulate",
+    "apply_if_finite",
     "clip_by_global_norm",
     "compressed_all_reduce",
     "compressed_fraction",

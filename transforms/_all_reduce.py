@@ -283,12 +283,14 @@ def _read(grads: optax.Updates, state: CompressedAllReduceState,
           axis_name: AxisName) -> tuple[list[list[Any]], Memory]:
     """The state's error-feedback fields at the leaves of ``grads``: their
     entries as stored (`Memory` order) and this device's values."""
-    fields = [(state.residual, "the error-feedback residual", "error-feedback residuals"),
-              (state.owner_residual, "the owner residual", "owner residuals"),
-              (state.estimate, "the EF21 estimate", "EF21 estimates"),
-              (state.momentum, "the EF21 momentum", "EF21 momenta")]
-    read = [read_per_device(grads, field, axis_name, what, field_name=name)
-            for field, what, name in fields]
+    fields = [("residual", "the error-feedback residual", "error-feedback residuals"),
+              ("owner_residual", "the owner residual", "owner residuals"),
+              ("estimate", "the EF21 estimate", "EF21 estimates"),   # replicated
+              ("momentum", "the EF21 momentum", "EF21 momenta")]
+    per_device = CompressedAllReduceState.per_device_fields  # type: ignore[attr-defined]
+    read = [read_per_device(grads, getattr(state, attr), axis_name, what, field_name=name,
+                            replicated=attr not in per_device)
+            for attr, what, name in fields]
     return [stored for stored, _ in read], Memory(*(values for _, values in read))
 
 

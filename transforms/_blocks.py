@@ -27,18 +27,22 @@ import numpy as np
 import optax
 from jax import lax
 
-from transforms._axes import AxisName, mesh_axes, tracks_varying
+from transforms._axes import AxisName, mesh_axes, tracks_varying, varies_along
 
 __all__ = ["as_block", "device_block", "leaves_like", "local_replica"]
 
 
-def device_block(stored: jax.Array, like: Any, axis_name: AxisName, what: str) -> jax.Array:
+def device_block(stored: jax.Array, like: Any, axis_name: AxisName, what: str, *,
+                 replicated: bool = False) -> jax.Array:
     """A per-device state leaf as this device's value, shaped like ``like``.
 
     ``stored`` is the block of a ``P(axis_name)`` leaf: ``(1, *shape)`` under
     ``shard_map``, ``(*shape)`` under ``jax.pmap`` or a plain ``tx.init``
     state. A block holding several devices' values means the state was made
     for another device count; that raises instead of silently keeping one.
+    Inside ``shard_map`` a per-device leaf must arrive varying along
+    ``axis_name`` (its spec ``P(axis_name)``); ``replicated=True`` marks a
+    field kept the same on every device (EF21's estimate), which may not.
 
     Raises:
       ValueError: ``stored`` holds another shape than ``like``'s (with or
@@ -62,7 +66,24 @@ def device_block(stored: jax.Array, like: Any, axis_name: AxisName, what: str) -
         raise ValueError(f"{what} has shape {stored_shape}, expected "
                          f"{shape} (or with a leading device axis of 1): "
                          f"the update's leaf has another shape than the one init saw")
+    if size and not replicated and _arrived_replicated(stored, axis_name):
+        raise ValueError(
+            f"{what} arrived the same on every device along {axis_name!r} (its shard_map "
+            f"spec is P()), but it holds each device's own value: pass "
+            f"transforms.state_specs(state, {axis_name!r}) as the state's in_specs and "
+            f"out_specs, and make the state with transforms.init_sharded, not tx.init")
     return jnp.reshape(stored, jnp.shape(like))
+
+
+def _arrived_replicated(stored: jax.Array, axis_name: AxisName) -> bool:
+    """``stored`` is typed the same on every device inside ``shard_map`` over
+    ``axis_name``; False under ``jax.pmap`` and outside any map over it (an
+    update called on plain arrays), where there is nothing to check."""
+    try:
+        tracking = tracks_varying(axis_name)
+    except ValueError:  # axis_name is not bound here
+        return False
+    return tracking and not varies_along(stored, axis_name)
 
 
 def as_block(value: jax.Array, stored: jax.Array) -> jax.Array:
@@ -120,6 +141,10 @@ def local_replica(tree: Any, axis_name: AxisName) -> Any:
     """
     if not tracks_varying(axis_name):
         return tree
+    # Replicas stacked for another device count hold the same number of
+    # replicas in every block; one copy of the tree, not stacked, is cut by
+    # its leaves' own first dimensions (or arrives whole, the same everywhere).
+    counts = {jnp.shape(leaf)[0] for leaf in jax.tree.leaves(tree) if jnp.ndim(leaf)}
 
     def take(path: Any, leaf: jax.Array) -> jax.Array:
         rows = jnp.shape(leaf)[0] if jnp.ndim(leaf) else None
@@ -129,10 +154,29 @@ def local_replica(tree: Any, axis_name: AxisName) -> Any:
                 raise ValueError(f"{what} of shape {tuple(jnp.shape(leaf))} has no leading "
                                  f"device axis: stack one replica per device along "
                                  f"{axis_name!r} (P({axis_name!r}))")
+            if len(counts) > 1 or not varies_along(leaf, axis_name):
+                raise _not_stacked(what, leaf, axis_name)
             raise _another_device_count(what, rows, axis_name)
         return leaf[0]
 
     return jax.tree_util.tree_map_with_path(take, tree)
+
+
+def _not_stacked(what: str, block: jax.Array, axis_name: AxisName) -> ValueError:
+    """The error for a leaf of one copy of the parameters where a stack of
+    one replica per device belongs."""
+    n = math.prod(int(lax.axis_size(a)) for a in mesh_axes(axis_name))
+    shape = tuple(jnp.shape(block))
+    split = varies_along(block, axis_name)
+    whole = (shape[0] * n, *shape[1:]) if split else shape
+    how = (f"split over the {n} devices as ({shape[0]}, ...) blocks" if split
+           else "the same on every device, spec P()")
+    return ValueError(
+        f"{what} is not stacked one replica per device: along {axis_name!r} ({n} devices) it "
+        f"needs a leading axis of size {n}, ({n}, *shape), but got shape {whole} ({how}). "
+        f"Stack the replicas, jax.tree.map(lambda a: jnp.stack([a] * {n}), params), place "
+        f"them with P({axis_name!r}) and pass them to the step with in_specs P({axis_name!r}); "
+        f"transforms.local_replica then gives each device its own.")
 
 
 def leaves_like(tree: Any, stored: Any, what: str, *, against: str = "the one init saw",
@@ -142,21 +186,58 @@ def leaves_like(tree: Any, stored: Any, what: str, *, against: str = "the one in
 
     Raises:
       ValueError: the two trees differ (the update's gradients are not the
-        tree ``init`` saw), naming the first path where they part.
+        tree ``init`` saw), naming the leaf missing from one of them, or the
+        first path where they part.
     """
     treedef = jax.tree.structure(tree)
     try:
         return treedef.flatten_up_to(stored)
     except (ValueError, TypeError):
         pass
-    keystr = jax.tree_util.keystr
-    got = [keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-    saw = [keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+    got = [tuple(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    saw = [tuple(p) for p, _ in jax.tree_util.tree_flatten_with_path(
         stored, is_leaf=lambda x: isinstance(x, optax.MaskedNode) or hasattr(x, "shape"))[0]]
+    raise ValueError(f"the update's tree is not {against} ({what}): "
+                     f"{_tree_difference(got, saw, where)} ({len(got)} leaves against "
+                     f"{len(saw)}). {hint}")
+
+
+def _unmatched(paths: list[tuple[Any, ...]], others: list[tuple[Any, ...]]) -> list[int]:
+    """The indices of ``paths`` that no path of ``others`` leads to or through.
+
+    A state stores an entry where the update has a leaf, but its flattening
+    may stop above the update's leaf (a ``flax.nnx`` ``Param`` holds its
+    array under ``.value``): a path matches when one of the two is a prefix
+    of the other."""
+    whole = set(others)
+    prefixes = {o[:k] for o in others for k in range(len(o) + 1)}
+    return [i for i, p in enumerate(paths)
+            if p not in prefixes and not any(p[:k] in whole for k in range(len(p)))]
+
+
+def _tree_difference(got: list[tuple[Any, ...]], saw: list[tuple[Any, ...]],
+                     where: str) -> str:
+    """Where the update's leaf paths ``got`` part from those of ``where``, ``saw``."""
+    keystr = jax.tree_util.keystr
+
+    def name(path: tuple[Any, ...]) -> str:
+        return keystr(path) or "the root"
+
+    def more(count: int) -> str:
+        return f" (and {count - 1} more)" if count > 1 else ""
+
+    extra, missing = _unmatched(got, saw), _unmatched(saw, got)
+    if extra and missing:
+        return (f"first difference at leaf {extra[0]}: {name(got[extra[0]])} in the update, "
+                f"{name(saw[missing[0]])} in {where}")
+    if missing:
+        return (f"the leaf {name(saw[missing[0]])} is in {where} but missing from the "
+                f"update{more(len(missing))}")
+    if extra:
+        return (f"the leaf {name(got[extra[0]])} is in the update but not in "
+                f"{where}{more(len(extra))}")
     first = next((i for i, (a, b) in enumerate(zip(got, saw, strict=False)) if a != b),
                  min(len(got), len(saw)))
-    here = got[first] if first < len(got) else "(no more leaves)"
-    there = saw[first] if first < len(saw) else "(no more leaves)"
-    raise ValueError(f"the update's tree is not {against} ({what}): first difference "
-                     f"at leaf {first}: {here or 'the root'} in the update, {there or 'the root'} "
-                     f"in {where} ({len(got)} leaves against {len(saw)}). {hint}")
+    here = name(got[first]) if first < len(got) else "(no more leaves)"
+    there = name(saw[first]) if first < len(saw) else "(no more leaves)"
+    return f"first difference at leaf {first}: {here} in the update, {there} in {where}"

@@ -10,6 +10,7 @@ shape mismatch).
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -40,7 +41,11 @@ def restore_sharded(checkpointer: Any, path: str | os.PathLike[str], target: Any
 
     Raises:
       ValueError: the checkpoint's per-device leaves were saved for another
-        number of devices along ``axis_name`` (the message names both).
+        number of devices along ``axis_name`` (the message names both), or
+        one of its JSON metadata files does not parse (a corrupted or
+        truncated checkpoint; the message names the path and the file).
+        orbax's own errors (a damaged array store names its file) pass
+        through as they are.
 
     Example:
       >>> import tempfile, jax, jax.numpy as jnp, optax, qcollect as qc, transforms
@@ -66,7 +71,41 @@ def restore_sharded(checkpointer: Any, path: str | os.PathLike[str], target: Any
             f"{axis_name!r}, but this mesh has {expected}: error-feedback residuals cannot "
             f"be re-split across another device count. Restore on {saved} devices, or "
             f"start the per-device state afresh (transforms.init_sharded).")
-    return checkpointer.restore(path, abstract)
+    try:
+        return checkpointer.restore(path, abstract)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _corrupted(path, e) from e
+
+
+def _corrupted(path: str | os.PathLike[str],
+               error: json.JSONDecodeError | UnicodeDecodeError) -> ValueError:
+    """The error for a checkpoint whose metadata JSON does not parse (or is
+    not text), naming the file that holds what the parser read (where
+    ``path`` is a local directory that has it)."""
+    if isinstance(error, json.JSONDecodeError):
+        found = _file_holding(path, error.doc.encode())
+        what = f"is not valid JSON: {error.msg}, line {error.lineno} column {error.colno}"
+    else:
+        found = _file_holding(path, bytes(error.object))
+        what = f"is not UTF-8 text ({error.reason} at byte {error.start})"
+    return ValueError(
+        f"the checkpoint at {path} is corrupted: its metadata file "
+        f"{found or '(one of its JSON files)'} {what}. The checkpoint was cut short or "
+        f"overwritten; restore an earlier one, or save it again.")
+
+
+def _file_holding(path: str | os.PathLike[str], data: bytes) -> str | None:
+    """The file under the local directory ``path`` whose bytes are ``data``, or None."""
+    if not os.path.isdir(path):
+        return None
+    for root, _, files in os.walk(path):
+        for name in sorted(files):
+            file = os.path.join(root, name)
+            if os.path.getsize(file) == len(data):
+                with open(file, "rb") as f:
+                    if f.read() == data:
+                        return file
+    return None
 
 
 def _spec_axis(spec: Any) -> object:

@@ -42,8 +42,9 @@ from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
 from qcollect.checks import check_choice, check_floating_leaves, check_key
+from qcollect.varying import varying_axes
 from transforms._axes import AxisName, check_axis, mesh_axes, varies_along
-from transforms._finite import keep_if_finite
+from transforms._finite import finite_everywhere, keep_if_finite
 from transforms._placement import init_like_params, per_device, put
 
 __all__ = ["FSDP", "FSDPState", "clip_by_global_norm", "fsdp", "init_on_shards",
@@ -194,7 +195,7 @@ def _step(shards: optax.Params, state: FSDPState, *args: Any, loss_fn: Callable[
     if not s.error_feedback:
         return (value, grads), FSDPState(stored, state.key,
                                          optax.safe_int32_increment(state.count))
-    finite = _finite_everywhere(grads, s.axis_name)
+    finite = finite_everywhere(grads, s.axis_name)
     new = keep_if_finite(finite, new, residual)
     new = jax.tree.map(lambda n, st: n.reshape(st.shape), new, stored)
     return (value, grads), FSDPState(new, state.key, optax.safe_int32_increment(state.count))
@@ -218,13 +219,6 @@ def _zero_residuals(shards: Any, dimension: Any, axis_name: AxisName) -> Any:
 def _block(stored: jax.Array) -> jax.Array:
     """This device's residual: its ``(1, *shape)`` block under ``shard_map``."""
     return stored[0]
-
-
-def _finite_everywhere(grads: Any, axis_name: AxisName) -> jax.Array:
-    """Scalar: every device's gradient shards are finite (one 4-byte psum)."""
-    leaves = jax.tree.leaves(grads)
-    bad = sum((~jnp.isfinite(leaf)).sum(dtype=jnp.int32) for leaf in leaves) if leaves else 0
-    return lax.psum(jnp.asarray(bad, jnp.int32), axis_name) == 0
 
 
 def shard_specs(dimension: Any, axis_name: AxisName) -> Any:
@@ -305,6 +299,12 @@ def init_on_shards(tx: optax.GradientTransformation, shards: optax.Params,
       The optimizer state, each leaf placed on ``mesh`` (`sharded_specs`
       gives its specs).
 
+    Raises:
+      ValueError: ``tx``'s update of a replicated leaf varies across the
+        devices (it mixes in a value computed from one device's shards, as
+        ``optax.clip_by_global_norm`` does: use `clip_by_global_norm`);
+        found by tracing one update, no computation.
+
     Example:
       >>> import jax, jax.numpy as jnp, optax, qcollect as qc, transforms
       >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
@@ -315,8 +315,46 @@ def init_on_shards(tx: optax.GradientTransformation, shards: optax.Params,
       >>> state[0].mu["w"].sharding.spec == shards["w"].sharding.spec
       True
     """
-    return jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, a.sharding.spec)),
-                        init_like_params(tx, shards, mesh))
+    state = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, a.sharding.spec)),
+                         init_like_params(tx, shards, mesh))
+    _check_replicated_updates(tx, shards, state, mesh)
+    return state
+
+
+def _check_replicated_updates(tx: optax.GradientTransformation, shards: Any, state: Any,
+                              mesh: Mesh) -> None:
+    """Traces one ``tx.update`` on the shards (``jax.eval_shape``) and raises
+    when the update of a replicated (``P()``) leaf varies along a mesh axis
+    that shards the parameters; that would fail later as a ``shard_map``
+    ``out_specs`` error for each such leaf, naming neither the cause nor the
+    fix. An optimizer that needs extra update arguments is not checked."""
+    specs = sharded_specs(shards)
+    flat = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
+    axes = {a for s in flat for entry in s if entry is not None for a in mesh_axes(entry)}
+
+    def probe(grads: Any, opt_state: Any, params: Any) -> tuple[()]:
+        updates, _ = tx.update(grads, opt_state, params)
+        leaves = jax.tree_util.tree_leaves_with_path(updates)
+        if len(leaves) != len(flat):  # another tree than the parameters': not checked
+            return ()
+        for (path, update), spec in zip(leaves, flat, strict=True):
+            mixed = sorted(axes & (varying_axes(update) or frozenset()))
+            if spec == P() and mixed:
+                raise ValueError(
+                    f"the optimizer's update of the replicated leaf "
+                    f"{jax.tree_util.keystr(path)} varies across {mixed[0]!r}: it mixes in a "
+                    f"value computed from one device's shards (optax.clip_by_global_norm "
+                    f"clips by the norm of this device's shards alone). Use "
+                    f"transforms.clip_by_global_norm(max_norm, {mixed[0]!r}), the norm of "
+                    f"all shards")
+        return ()
+
+    mapped = jax.shard_map(probe, mesh=mesh, in_specs=(specs, sharded_specs(state), specs),
+                           out_specs=())
+    try:
+        jax.eval_shape(mapped, shards, state, shards)
+    except TypeError:  # an update that needs extra arguments (value=, ...): not checked
+        return
 
 
 def sharded_specs(tree: Any) -> Any:

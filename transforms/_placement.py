@@ -18,7 +18,9 @@ with a leading device axis of size N, sharded ``P(axis_name)``.
 A state class marks its per-device fields with a ``per_device_fields``
 class attribute (set by the `per_device` decorator); `state_specs` finds
 such states anywhere in a tree, so it works through ``optax.chain``,
-``optax.partition``, ``optax.masked`` and ``optax.apply_if_finite``.
+``optax.partition``, ``optax.masked`` and an ``optax.apply_if_finite``
+chained after them (wrapped around them it is refused: its flag would be
+each device's own).
 Inside the step each device reads its block of them (`transforms.local_replica`
 for stacked replicas; the transformations read their own state alike).
 """
@@ -76,11 +78,27 @@ _MULTISTEPS = (
     "jax.pmap optax.MultiSteps works as it is.")
 
 
+_WRAPPED = (
+    "apply_if_finite wraps {name}, whose state differs per device: it would decide "
+    "from each device's own gradients, before the all-reduce (inside shard_map a lax.cond "
+    "on a value that varies across the devices fails; under pmap devices would disagree). "
+    "Chain it after instead: optax.chain(transforms.compressed_all_reduce(...), "
+    "optax.apply_if_finite(optax.adamw(...), max_consecutive_errors=k)); the reduced update "
+    "is the same on every device, and qcollect's transformations keep their own state on a "
+    "non-finite step. For sharded updates use transforms.apply_if_finite(inner, axis_name, "
+    "max_consecutive_errors=k).")
+
+
 def _per_device_fields(node: Any) -> tuple[str, ...] | None:
     if not isinstance(node, tuple):
         return None
     if isinstance(node, optax.MultiStepsState):
         raise ValueError(_MULTISTEPS)
+    if isinstance(node, optax.ApplyIfFiniteState):
+        inner = [n for n in jax.tree.leaves(node.inner_state, is_leaf=_has_per_device_fields)
+                 if _has_per_device_fields(n)]
+        if inner:
+            raise ValueError(_WRAPPED.format(name=type(inner[0]).__name__))
     fields: tuple[str, ...] | None = getattr(type(node), "per_device_fields", None)
     return fields
 
@@ -108,7 +126,8 @@ def state_specs(state: optax.OptState, axis_name: AxisName) -> Any:
 
     Raises:
       ValueError: a per-device leaf of a concrete state is not placed on the
-        mesh (a ``tx.init`` state on several devices: use `init_sharded`);
+        mesh (a ``tx.init`` state on several devices: use `init_sharded`),
+        or is placed along another axis than ``axis_name``;
         the state holds an ``optax.MultiSteps`` state (use
         `transforms.accumulate`).
 
@@ -123,7 +142,7 @@ def state_specs(state: optax.OptState, axis_name: AxisName) -> Any:
     """
 
     specs = _specs(state, axis_name)
-    _check_placed(state, specs)
+    _check_placed(state, specs, axis_name)
     return specs
 
 
@@ -140,20 +159,28 @@ def _specs(state: Any, axis_name: AxisName) -> Any:
     return jax.tree.map(spec, state, is_leaf=_has_per_device_fields)
 
 
-def _check_placed(state: Any, specs: Any) -> None:
+def _check_placed(state: Any, specs: Any, axis_name: AxisName) -> None:
     """Raises when a per-device leaf of a concrete state sits unplaced on one
-    device of several (a ``tx.init`` state): the step's ``shard_map`` would
-    cut its first dimension across the devices, or fail to."""
-    if jax.device_count() == 1:
-        return
+    device of several (a ``tx.init`` state: the step's ``shard_map`` would
+    cut its first dimension across the devices, or fail to), or is placed
+    along another axis than ``axis_name``."""
     flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
     for (path, leaf), spec in zip(jax.tree_util.tree_leaves_with_path(state), flat_specs,
                                   strict=True):
-        if (spec != P() and isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
-                and isinstance(leaf.sharding, jax.sharding.SingleDeviceSharding)
-                and leaf.size > 0):
+        if spec == P() or not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
+            continue
+        where = jax.tree_util.keystr(path)
+        placed = (leaf.sharding.spec[0] if isinstance(leaf.sharding, NamedSharding)
+                  and len(leaf.sharding.spec) else None)
+        if placed is not None and mesh_axes(placed) != mesh_axes(axis_name):
             raise ValueError(
-                f"the state's per-device leaf {jax.tree_util.keystr(path)} (shape "
+                f"axis_name {axis_name!r}: the state's per-device leaf {where} is placed "
+                f"along {placed!r} (mesh axes {tuple(leaf.sharding.mesh.axis_names)}); pass "
+                f"the data axis the state was made for, state_specs(state, {placed!r})")
+        if (jax.device_count() > 1 and leaf.size > 0
+                and isinstance(leaf.sharding, jax.sharding.SingleDeviceSharding)):
+            raise ValueError(
+                f"the state's per-device leaf {where} (shape "
                 f"{tuple(leaf.shape)}) is not placed on the mesh: it has no leading device "
                 f"axis. Make the state with transforms.init_sharded(tx, params, mesh, "
                 f"axis_name) instead of tx.init(params), or restore a checkpoint with "

@@ -37,7 +37,8 @@ def zeros_or_masked(leaf: jax.Array, keep: bool) -> jax.Array | optax.MaskedNode
 
 
 def read_per_device(grads: optax.Updates, field: Any, axis_name: AxisName, what: str, *,
-                    field_name: str) -> tuple[list[Any], list[jax.Array | None]]:
+                    field_name: str, replicated: bool = False
+                    ) -> tuple[list[Any], list[jax.Array | None]]:
     """A per-device state field at the leaves of ``grads``: ``(stored, values)``.
 
     ``stored`` are the entries as they arrived (blocks, or
@@ -50,10 +51,12 @@ def read_per_device(grads: optax.Updates, field: Any, axis_name: AxisName, what:
       axis_name: the data axis.
       what: names one entry in errors: ``f"{what} of {path}"``.
       field_name: names the field in errors about the tree.
+      replicated: the field is the same on every device (`device_block`).
     """
     stored = leaves_like(grads, field, field_name)
     values = [None if isinstance(entry, optax.MaskedNode)
-              else device_block(entry, leaf, axis_name, f"{what} of {path}")
+              else device_block(entry, leaf, axis_name, f"{what} of {path}",
+                                replicated=replicated)
               for entry, leaf, path in zip(stored, jax.tree.leaves(grads), leaf_paths(grads),
                                            strict=True)]
     return stored, values

@@ -18,6 +18,7 @@ import dataclasses
 import math
 import pathlib
 import re
+import tempfile
 import typing
 
 COMPRESSOR_NAMES = ("none", "bf16", "onebit", "onebit-column", "threshold", "adaptive", "qsgd-2",
@@ -299,8 +300,10 @@ def check_positive(cfg, *names: str) -> None:
 
 def check_folder(name: str, path: str) -> None:
     """Raises ValueError naming ``name`` when ``path`` (a folder the run writes,
-    made if missing) is a file or lies under one: found now, not when the
-    results are written after training. ``""`` passes."""
+    made if missing) is a file, lies under one, or cannot be written (a
+    read-only file system, no permission): found now by writing a temporary
+    file in it or in its nearest existing parent, not when the results are
+    written after training. ``""`` passes."""
     if not path:
         return
     for place in (pathlib.Path(path), *pathlib.Path(path).parents):
@@ -309,6 +312,12 @@ def check_folder(name: str, path: str) -> None:
                 where = "is a file" if place == pathlib.Path(path) else f"is under the file {place}"
                 raise ValueError(f"{name} must be a folder (made if missing), but {path!r} "
                                  f"{where}")
+            try:
+                with tempfile.TemporaryFile(dir=place):
+                    pass
+            except OSError as err:
+                raise ValueError(f"{name} {path!r} cannot be written: writing in {place} "
+                                 f"fails ({err.strerror}); choose another folder") from None
             return
 
 

@@ -481,7 +481,7 @@ def _measure_wire(result: RunResult, step, args: tuple, mesh, phased: bool) -> N
     """``result``'s wire bytes, compiled from ``step`` on ``args``: in all, by
     mesh axis, by collective and by phase (a phased all-reduce's cheapest
     phase leads, `RunResult`)."""
-    most = qc.wire_bytes(step, *args)
+    most = qc.wire_bytes(step, *args, branches="max")
     result.wire_bytes = qc.wire_bytes(step, *args, branches="min") if phased else most
     result.wire_bytes_max = most
     branches = "min" if phased else "max"

@@ -33,7 +33,7 @@ from common.devices import simulate_cpu_devices  # noqa: E402
 
 simulate_cpu_devices(default=4)
 
-from common.config import parse_config  # noqa: E402
+from common.config import check_folder, parse_config  # noqa: E402
 from common.text import load_stdlib  # noqa: E402
 from common.wire_split import phase_bytes  # noqa: E402
 
@@ -124,7 +124,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--seeds", type=int, default=3, help="seeds for the close points")
     parser.add_argument("--within", type=float, default=0.05,
                         help="a point this close to none (a fraction) runs every seed")
-    parser.add_argument("--output-dir", default="examples/results/lm_frontier")
+    parser.add_argument("--output-dir", default="examples/results/lm_frontier",
+                        help="folder for frontier.{json,md,png}; a rerun resumes from its "
+                             "frontier.json")
     parser.add_argument("--list", action="store_true", help="print the points and exit")
     args, rest = parser.parse_known_args(argv)
     names = [n for n in args.only.split(",") if n] or list(POINTS)
@@ -133,6 +135,10 @@ def main(argv=None) -> dict:
     if unknown or args.seeds < 1 or not 0 < args.within < 1:
         parser.error(f"unknown points {unknown} (see --list), or --seeds < 1, or --within "
                      f"outside (0, 1)")
+    try:
+        check_folder("output_dir", args.output_dir)
+    except ValueError as err:
+        parser.error(str(err))
     if args.list:
         for n in POINTS:
             print(f"{n}: {settings_of(n, 600)}")

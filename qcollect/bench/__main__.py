@@ -14,6 +14,7 @@ BENCHMARKS = {
     "compile": "qcollect.bench.compile",
     "training": "qcollect.bench.training",
     "passes": "qcollect.bench.passes",
+    "device": "qcollect.bench.device",
 }
 
 

@@ -20,6 +20,7 @@ or from the caller's ``block_specs``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeAlias
 
@@ -56,7 +57,14 @@ def block_spec_tree(x: Any, block_specs: BlockSpecs) -> Any:
     """Each leaf's block spec: ``block_specs`` (one ``PartitionSpec`` for every
     leaf, a pytree of them shaped like ``x``, or ``f(path, leaf) ->
     PartitionSpec``), or by default (None) the explicit sharding of each
-    leaf's type; ``P()`` where nothing shards it."""
+    leaf's type; ``P()`` where nothing shards it.
+
+    Given specs are checked against the mesh of the context (`check_block_specs`).
+
+    Raises:
+      ValueError: a spec that is not a ``PartitionSpec``, longer than its
+        leaf's rank, or that `check_block_specs` refuses; the message names
+        ``block_specs`` and the leaf."""
     leaves, treedef = jax.tree.flatten(x)
     if block_specs is None:
         specs = [_typed_spec(leaf) or P() for leaf in leaves]
@@ -71,7 +79,66 @@ def block_spec_tree(x: Any, block_specs: BlockSpecs) -> Any:
         if len(spec) > jax.numpy.ndim(leaf):
             raise ValueError(f"block_specs: {spec} has more entries than a leaf of shape "
                              f"{jax.numpy.shape(leaf)} has dimensions")
+    if block_specs is not None:
+        check_block_specs(x, specs)
     return treedef.unflatten(specs)
+
+
+def check_block_specs(x: Any, specs: Sequence[P]) -> None:
+    """Raises unless each leaf's block spec names model axes of the current
+    mesh that divide the dimensions they shard.
+
+    Without this check a wrong spec fails in the nested ``jax.shard_map``, with
+    a message about its arguments that names neither ``block_specs`` nor the
+    leaf. Outside any mesh (no abstract mesh in the context) nothing is checked.
+
+    Args:
+      x: the leaves (their key paths name them, as ``x['w']``).
+      specs: each leaf's ``PartitionSpec``, in flatten order.
+
+    Raises:
+      ValueError: a spec names an axis the mesh does not have, an axis that is
+        manual here (the data axis the collective reduces over, or one an
+        enclosing ``shard_map`` maps), or an axis (or axes) whose size does
+        not divide the leaf's dimension; the message names ``block_specs``,
+        the leaf, the axis and what to do.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return
+    sizes = dict(mesh.shape)
+    for (path, leaf), spec in zip(jax.tree_util.tree_leaves_with_path(x), specs, strict=True):
+        shape = tuple(jax.numpy.shape(leaf))
+        for dim, entry in enumerate(spec):
+            names = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+            problem = _axis_problem(names, shape[dim], sizes, set(mesh.manual_axes))
+            if problem:
+                raise ValueError(f"block_specs gives the leaf x{jax.tree_util.keystr(path)} "
+                                 f"of shape {shape} the spec {spec}, whose dimension {dim} "
+                                 f"{problem}")
+
+
+def _axis_problem(names: tuple[Hashable, ...], size: int, sizes: dict[Hashable, int],
+                  manual: set[Hashable]) -> str | None:
+    """What is wrong with the axes ``names`` sharding a dimension of ``size``
+    (and what to do), or None."""
+    for axis in names:
+        if axis not in sizes:
+            return (f"names the axis {axis!r}, which the mesh does not have (its axes: "
+                    f"{', '.join(map(repr, sizes))}): name only the model axes that shard "
+                    f"the leaf, as in P(None, 'model'), or give it P() (reduced whole)")
+        if axis in manual:
+            return (f"names {axis!r}, an axis the enclosing jax.shard_map maps (the data axis "
+                    f"the collective reduces over): block_specs says how the model axes (those "
+                    f"left to the compiler, outside shard_map's axis_names) cut each leaf, "
+                    f"never the data axis; leave {axis!r} out of it (P() for a leaf no "
+                    f"model axis shards)")
+    count = math.prod(sizes[a] for a in names)
+    if size % count:
+        axes = " x ".join(f"{a!r} ({sizes[a]})" for a in names)
+        return (f"has size {size}, which {axes} does not divide: shard the leaf along a "
+                f"dimension that the axis size divides, or give it P() (reduced whole)")
+    return None
 
 
 def over_blocks(run: Callable[..., Any], x: Any, block_specs: BlockSpecs, *shared: Any,

@@ -8,7 +8,7 @@ each branch sends but not which phase a branch is (`qcollect.wire_bytes`
 counts the costliest or the cheapest). `phase` names it: the branch's code
 runs under ``with qc.phase("compressed"):``, a `jax.named_scope` whose name
 travels into the compiled HLO as each instruction's ``op_name`` metadata.
-`wire_bytes_by_phase` reads those marks back and measures each phase of a
+`qcollect.wire_bytes_by_phase` reads those marks back and measures each phase of a
 compiled step, a user's own jitted step included: no second program, no
 state set to a chosen step.
 
@@ -26,10 +26,9 @@ from typing import Any
 
 import jax
 
-from qcollect.measure._hlo import Branches, Computations, check_branches, compiled_text, parse
-from qcollect.measure._wire import report_from_hlo, total_bytes
+from qcollect.measure._hlo import Computations
 
-__all__ = ["phase", "wire_bytes_by_phase"]
+__all__ = ["in_phase", "phase", "phase_names", "program_phases"]
 
 #: The scope prefix that marks a phase in ``op_name`` metadata.
 MARK = "qcollect.phase="
@@ -131,7 +130,7 @@ def program_phases(comps: Computations) -> list[str]:
                    for name in phase_names(line)})
 
 
-def _in_phase(name: str, memo: dict[str, frozenset[str]]
+def in_phase(name: str, memo: dict[str, frozenset[str]]
               ) -> Callable[[list[str], Computations], list[str]]:
     """The wire report's ``eligible``: of a conditional's branches, those
     marked with phase ``name``, or all when none is."""
@@ -140,52 +139,3 @@ def _in_phase(name: str, memo: dict[str, frozenset[str]]
         return [b for b in branches if name in marked_phases(b, comps, memo)] or branches
 
     return eligible
-
-
-def wire_bytes_by_phase(fn: Callable[..., Any], *args: Any, branches: Branches = "max",
-                        **kwargs: Any) -> dict[str, int]:
-    """`qcollect.wire_bytes` of one call in each phase that the compiled
-    ``fn(*args)`` marks (`phase`).
-
-    A transformation that switches phases on its step count compiles every
-    phase into one program, a ``lax.cond`` whose branches it marks;
-    `qcollect.wire_bytes` counts the costliest (or the cheapest) branch
-    whatever the step. For each phase, this counts the branches marked with
-    it (or holding a branch marked with it, deeper inside) and every
-    collective outside the marked conditionals, which runs in every phase.
-    Which steps fall in which phase is the transformation's schedule
-    (`transforms.powersgd_phases`, `transforms.gradiveq_phases`); what a
-    run sends is the sum over its steps.
-
-    Args:
-      fn, args, kwargs: as for `qcollect.wire_bytes`; ``fn`` may be a user's
-        own jitted training step that holds the transformation.
-      branches: which branch counts at a conditional none of whose branches
-        is marked with the phase: ``"max"`` (default) or ``"min"``.
-
-    Returns:
-      ``{phase name: bytes per device and call}``, sorted by name; ``{}``
-      for a program that marks no phase.
-
-    Example:
-      >>> import jax, jax.numpy as jnp, qcollect as qc
-      >>> from jax import lax
-      >>> from jax.sharding import PartitionSpec as P
-      >>> mesh = jax.make_mesh((4,), ("d",), devices=jax.devices()[:4])
-      >>> def step(g, count):
-      ...     def warm_up(g):
-      ...         with qc.phase("warm-up"):
-      ...             return lax.psum(g, "d")
-      ...     def compressed(g):   # a quarter of the values, repeated
-      ...         with qc.phase("compressed"):
-      ...             return jnp.tile(lax.psum(g[:256], "d"), 4)
-      ...     return lax.cond(count < 10, warm_up, compressed, g)
-      >>> f = jax.shard_map(step, mesh=mesh, in_specs=(P(), P()), out_specs=P())
-      >>> qc.wire_bytes_by_phase(f, jnp.zeros(1024), 0)   # 2 (4-1)/4 of 1 and 4 KiB
-      {'compressed': 1536, 'warm-up': 6144}
-    """
-    check_branches(branches)
-    hlo = compiled_text(fn, *args, **kwargs)
-    memo: dict[str, frozenset[str]] = {}
-    return {name: total_bytes(report_from_hlo(hlo, branches, _in_phase(name, memo)))
-            for name in program_phases(parse(hlo)[0])}

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -50,8 +51,9 @@ from qcollect.measure._hlo import (
     parse,
     shape_bytes,
 )
+from qcollect.measure._phases import in_phase, program_phases
 
-__all__ = ["wire_bytes", "wire_bytes_by_axis", "wire_report", "WireOp"]
+__all__ = ["wire_bytes", "wire_bytes_by_axis", "wire_bytes_by_phase", "wire_report", "WireOp"]
 
 _COLLECTIVES = ("collective-permute", "all-gather", "all-reduce", "reduce-scatter", "all-to-all")
 
@@ -246,7 +248,7 @@ def report_from_hlo(
     return ops
 
 
-def wire_bytes(fn: Callable[..., Any], *args: Any, branches: Branches = "max",
+def wire_bytes(fn: Callable[..., Any], *args: Any, branches: Branches | None = None,
                **kwargs: Any) -> int:
     """Bytes each device sends in the collectives of the compiled ``fn(*args)``.
 
@@ -263,12 +265,19 @@ def wire_bytes(fn: Callable[..., Any], *args: Any, branches: Branches = "max",
       fn: the function to compile, typically a `jax.shard_map` or
         `jax.pmap` function, or an already jitted one.
       *args: its arguments (arrays or `jax.ShapeDtypeStruct`).
-      branches: which branch of a conditional counts, ``"max"`` (default,
-        the most a call can send) or ``"min"`` (the least).
+      branches: which branch of a conditional counts, ``"max"`` (the most
+        a call can send) or ``"min"`` (the least). Left out, ``"max"``,
+        with a warning when the program switches between marked phases
+        that send different bytes (a warm-up, then compressed steps):
+        `qcollect.wire_bytes_by_phase` says what each phase sends.
       **kwargs: its keyword arguments.
 
     Returns:
       Bytes per device and call, rounded to an int.
+
+    Warns:
+      UserWarning: ``branches`` left out and the phases send different
+        bytes; the message lists them.
 
     Raises:
       ValueError: a loop that runs a collective has no known trip count
@@ -287,7 +296,18 @@ def wire_bytes(fn: Callable[..., Any], *args: Any, branches: Branches = "max",
       >>> qc.wire_bytes(f, jnp.zeros(jax.device_count() * 1024))  # doctest: +SKIP
       7168
     """
-    return total_bytes(wire_report(fn, *args, branches=branches, **kwargs))
+    if branches is not None:
+        return total_bytes(wire_report(fn, *args, branches=branches, **kwargs))
+    hlo = compiled_text(fn, *args, **kwargs)
+    sent = total_bytes(report_from_hlo(hlo, "max"))
+    phases = bytes_by_phase(hlo)
+    if len(set(phases.values())) > 1:
+        each = ", ".join(f"{name} {n:,}" for name, n in phases.items())
+        warnings.warn(f"wire_bytes: the program switches between phases that send different "
+                      f"bytes per call ({each}); counted the costliest, {sent:,}. "
+                      "qcollect.wire_bytes_by_phase reports each phase; pass branches='max' "
+                      "or 'min' to choose without this warning", stacklevel=2)
+    return sent
 
 
 def total_bytes(ops: Sequence[WireOp]) -> int:
@@ -398,3 +418,55 @@ def bytes_along(split: dict[Any, int], axis: str) -> int:
 
     return sum(int(count) for key, count in split.items() if axis in axes(key))
 
+
+def wire_bytes_by_phase(fn: Callable[..., Any], *args: Any, branches: Branches = "max",
+                        **kwargs: Any) -> dict[str, int]:
+    """`qcollect.wire_bytes` of one call in each phase that the compiled
+    ``fn(*args)`` marks (`qcollect.phase`).
+
+    A transformation that switches phases on its step count compiles every
+    phase into one program, a ``lax.cond`` whose branches it marks;
+    `qcollect.wire_bytes` counts the costliest (or the cheapest) branch
+    whatever the step. For each phase, this counts the branches marked with
+    it (or holding a branch marked with it, deeper inside) and every
+    collective outside the marked conditionals, which runs in every phase.
+    Which steps fall in which phase is the transformation's schedule
+    (`transforms.powersgd_phases`, `transforms.gradiveq_phases`); what a
+    run sends is the sum over its steps.
+
+    Args:
+      fn, args, kwargs: as for `qcollect.wire_bytes`; ``fn`` may be a user's
+        own jitted training step that holds the transformation.
+      branches: which branch counts at a conditional none of whose branches
+        is marked with the phase: ``"max"`` (default) or ``"min"``.
+
+    Returns:
+      ``{phase name: bytes per device and call}``, sorted by name; ``{}``
+      for a program that marks no phase.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, qcollect as qc
+      >>> from jax import lax
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((4,), ("d",), devices=jax.devices()[:4])
+      >>> def step(g, count):
+      ...     def warm_up(g):
+      ...         with qc.phase("warm-up"):
+      ...             return lax.psum(g, "d")
+      ...     def compressed(g):   # a quarter of the values, repeated
+      ...         with qc.phase("compressed"):
+      ...             return jnp.tile(lax.psum(g[:256], "d"), 4)
+      ...     return lax.cond(count < 10, warm_up, compressed, g)
+      >>> f = jax.shard_map(step, mesh=mesh, in_specs=(P(), P()), out_specs=P())
+      >>> qc.wire_bytes_by_phase(f, jnp.zeros(1024), 0)   # 2 (4-1)/4 of 1 and 4 KiB
+      {'compressed': 1536, 'warm-up': 6144}
+    """
+    check_branches(branches)
+    return bytes_by_phase(compiled_text(fn, *args, **kwargs), branches)
+
+
+def bytes_by_phase(hlo: str, branches: Branches = "max") -> dict[str, int]:
+    """`wire_bytes_by_phase` of an optimised HLO text."""
+    memo: dict[str, frozenset[str]] = {}
+    return {name: total_bytes(report_from_hlo(hlo, branches, in_phase(name, memo)))
+            for name in program_phases(parse(hlo)[0])}
