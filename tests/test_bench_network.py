@@ -262,3 +262,18 @@ def test_nodes_of_several_devices_measure_the_hierarchical_all_reduce(tmp_path):
     # psum over all four devices in process order: Gloo's ring crosses once.
     assert _network.link_bytes(got["psum"]) == across["psum"]
     assert "across nodes / device" in out.with_suffix(".md").read_text()
+
+
+def test_one_process_of_several_devices_measures_without_nodes():
+    """In one process of 8 devices nothing crosses between nodes: the rows'
+    byte ratios are the wire bytes', with no node grid."""
+    from qcollect.bench import _network
+
+    rows = _network.measure([0.0625], ["psum", "qsgd-4"], repeats=1)
+    assert _network.meshes()[1] is None
+    by_method = {r["method"]: r for r in rows}
+    assert by_method["psum"]["wire_vs_psum"] == 1.0
+    assert by_method["qsgd-4"]["wire_vs_psum"] == pytest.approx(
+        by_method["psum"]["wire_bytes"] / by_method["qsgd-4"]["wire_bytes"])
+    assert by_method["qsgd-4"]["wire_vs_psum"] > 6
+    assert "across_nodes_bytes" not in by_method["qsgd-4"]

@@ -432,8 +432,12 @@ def test_the_frontier_records_each_point_and_resumes(tmp_path, monkeypatch):
     assert points["qsgd-4"]["bytes_per_step"] < points["none"]["bytes_per_step"] / 4
     assert points["none"]["bytes_per_step"] / 10 < warm["bytes_per_step"] < points["none"][
         "bytes_per_step"] / 5
-    assert "| qsgd-4 |" in (tmp_path / "frontier.md").read_text()
+    table = (tmp_path / "frontier.md").read_text()
+    assert "| qsgd-4 |" in table
+    # the gap along the run: none against itself is 0 at every evaluation
+    assert "| none | +0.0% | +0.0% |" in table.split("Against none along the run")[1]
     assert (tmp_path / "frontier.png").stat().st_size > 0
+    assert (tmp_path / "frontier_gap.png").stat().st_size > 0
     monkeypatch.setattr(frontier, "measure", lambda *a: pytest.fail("ran again"))
     assert frontier.main(args) == done
     with pytest.raises(ValueError, match="holds runs of 10 steps"):
@@ -483,3 +487,11 @@ def test_time_to_target_times_each_phase_of_a_point(tmp_path, capsys):
     assert (tmp_path / "time_to_target.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(SystemExit):
         time_to_target.main(["--frontier", str(tmp_path), "--rates", "10"])
+    # within 25% of none's 2.0: powersgd-r4 reaches 2.5 at its last step
+    loose = {r["name"]: r for r in time_to_target.main(
+        ["--frontier", str(tmp_path), "--within", "0.25"])}
+    assert loose["powersgd-r4"]["steps"] == pytest.approx(20.0)
+    assert loose["none"]["steps"] == pytest.approx(10.0 + 10 * 0.5 / 1.0)
+    assert "25% above none's mean" in (tmp_path / "time_to_target_25pct.md").read_text()
+    with pytest.raises(SystemExit):
+        time_to_target.main(["--frontier", str(tmp_path), "--within", "-0.1"])

@@ -304,16 +304,6 @@ def _other_builders():
     return builders
 
 
-@functools.cache
-def _other_traced(case):
-    mapped, args = _other_builders()[case]()
-    return mapped.trace(*args)
-
-
-@pytest.mark.parametrize("platform", PLATFORMS)
-@pytest.mark.parametrize("case", sorted(_other_builders()))
-def test_collective_lowers(case, platform):
-    _check_lowered(_other_traced(case), platform)
 
 
 def _params(axes):
@@ -441,12 +431,19 @@ def _transform_builders():
 
 
 @functools.cache
-def _transform_traced(case):
-    step, args = _transform_builders()[case]()
-    return step.trace(*args)
+def _traced(kind, case):
+    """The traced program of builder ``case`` of ``kind`` (once for both platforms)."""
+    fn, args = {"collective": _other_builders, "transform": _transform_builders}[kind]()[case]()
+    return fn.trace(*args)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("case", sorted(_other_builders()))
+def test_collective_lowers(case, platform):
+    _check_lowered(_traced("collective", case), platform)
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("case", sorted(_transform_builders()))
 def test_transform_update_lowers(case, platform):
-    _check_lowered(_transform_traced(case), platform)
+    _check_lowered(_traced("transform", case), platform)

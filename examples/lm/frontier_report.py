@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+import matplotlib
 import numpy as np
 from matplotlib.figure import Figure
 
@@ -87,6 +88,64 @@ def table(pts: list[dict], steps: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def gaps(runs: Runs) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per point, the evaluation steps and its mean curve over seeds against
+    ``none``'s mean curve, as a fraction (``+0.05``: 5% more bits per byte):
+    whether a gap closes with training.
+
+    Example:
+      >>> runs = {("none", 0): {"name": "none", "seed": 0, "curve": [[0, 4.0], [10, 2.0]]},
+      ...         ("q", 0): {"name": "q", "seed": 0, "curve": [[0, 4.0], [10, 2.2]]}}
+      >>> steps, gap = gaps(runs)["q"]
+      >>> steps.tolist(), gap.round(3).tolist()
+      ([0.0, 10.0], [0.0, 0.1])
+    """
+    curves: dict[str, list[list[float]]] = {}
+    steps: dict[str, np.ndarray] = {}
+    for run in runs.values():
+        curves.setdefault(run["name"], []).append([v for _, v in run["curve"]])
+        steps[run["name"]] = np.array([s for s, _ in run["curve"]], dtype=float)
+    if "none" not in curves:
+        return {}
+    ref = np.mean(curves["none"], axis=0)
+    return {name: (steps[name], np.mean(c, axis=0) / ref - 1) for name, c in curves.items()
+            if len(steps[name]) == len(ref)}
+
+
+def gap_table(runs: Runs) -> str:
+    """The Markdown table of `gaps` at a third, two thirds and the end of the run."""
+    gap = gaps(runs)
+    if "none" not in gap:
+        return ""
+    steps = gap["none"][0]
+    at = sorted({int(np.argmin(abs(steps - steps[-1] * f))) for f in (1 / 3, 2 / 3, 1)})
+    lines = ["Against none along the run (mean curves over seeds):", "",
+             "| point |" + "".join(f" step {steps[i]:.0f} |" for i in at),
+             "|---|" + "---:|" * len(at)]
+    for name, (_, g) in sorted(gap.items(), key=lambda kv: kv[1][1][-1]):
+        lines.append(f"| {name} |" + "".join(f" {100 * g[i]:+.1f}% |" for i in at))
+    return "\n".join(lines) + "\n"
+
+
+def plot_gaps(runs: Runs, path: pathlib.Path, within: float = 0.2) -> None:
+    """The change against ``none`` over the run of the points that end within
+    ``within`` of it (the others would crowd the plot; the table has them)."""
+    fig = Figure(figsize=(8, 5))
+    ax = fig.subplots()
+    shown = [(name, steps, g) for name, (steps, g) in sorted(
+        gaps(runs).items(), key=lambda kv: kv[1][1][-1]) if name != "none" and g[-1] <= within]
+    colors = matplotlib.colormaps["tab20"]
+    for i, (name, steps, g) in enumerate(shown):
+        ax.plot(steps[1:], 100 * g[1:], label=name, color=colors(i % 20),
+                ls=("-", "--")[i // 20 % 2])
+    ax.axhline(0, color="grey", lw=0.8, ls=":")
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation bits per byte against none (%)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def plot(pts: list[dict], path: pathlib.Path, steps: int) -> None:
     """Bits per byte against bytes per step (log x), with the seeds' spread
     and the Pareto front (no point both cheaper and better) joined."""
@@ -111,9 +170,12 @@ def plot(pts: list[dict], path: pathlib.Path, steps: int) -> None:
 
 
 def write(runs: Runs, out: pathlib.Path, steps: int) -> dict[str, pathlib.Path]:
-    """``frontier.md`` and ``frontier.png`` in ``out`` from every run."""
+    """``frontier.md``, ``frontier.png`` and ``frontier_gap.png`` (`plot_gaps`)
+    in ``out`` from every run."""
     pts = points(runs)
-    files = {"table": out / "frontier.md", "plot": out / "frontier.png"}
-    files["table"].write_text(table(pts, steps))
+    files = {"table": out / "frontier.md", "plot": out / "frontier.png",
+             "gaps": out / "frontier_gap.png"}
+    files["table"].write_text(table(pts, steps) + "\n" + gap_table(runs))
     plot(pts, files["plot"], steps)
+    plot_gaps(runs, files["gaps"])
     return files

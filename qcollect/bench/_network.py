@@ -183,11 +183,12 @@ def _buffers(size: int, mesh: jax.sharding.Mesh) -> jax.Array:
 
 def meshes() -> tuple[jax.sharding.Mesh, jax.sharding.Mesh | None]:
     """The one-axis mesh ``"d"`` over every device in process order, and, with
-    several devices per process, the same devices as a `NODE_AXES` grid with
-    one node per process (else None)."""
+    several processes of several devices each, the same devices as a
+    `NODE_AXES` grid with one node per process (else None: in one process no
+    byte crosses between nodes)."""
     devices = np.asarray(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
     flat = jax.sharding.Mesh(devices, ("d",))
-    if jax.local_device_count() == 1:
+    if jax.local_device_count() == 1 or jax.process_count() == 1:
         return flat, None
     return flat, jax.sharding.Mesh(devices.reshape(jax.process_count(), -1), NODE_AXES)
 
@@ -408,7 +409,7 @@ def node_probe(sizes_mib: list[float], repeats: int) -> str | None:
     """
     _, grid = meshes()
     if grid is None:
-        raise ValueError("the node probe needs several devices per process")
+        raise ValueError("the node probe needs several processes of several devices each")
     local = jax.local_device_count()
     lines = ["| MiB / device | psum_scatter ms | ring reduce-scatter ms | psum ms "
              "| all_gather ms | psum over node ms |", "|---:|---:|---:|---:|---:|---:|"]

@@ -242,7 +242,6 @@ def main(argv: list[str] | None = None) -> int:
             add_floors(out, unshaped, parse_rate(bandwidth))
         return rc
     qcollect.launch.initialize()
-    import jax
 
     from qcollect.bench import _network
 
@@ -257,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {out}", flush=True)
         return 0
     methods = _network.variants(args.methods, args.pipeline,
-                                hierarchical=jax.local_device_count() > 1,
+                                hierarchical=_network.meshes()[1] is not None,
                                 batches=args.batch_buckets, exchanges=args.exchange)
     rows = _network.measure(args.sizes, methods, args.repeats, leaves=args.leaves,
                             bucket_bytes=args.bucket_bytes)
