@@ -50,6 +50,8 @@ POINTS: dict[str, dict] = {
     "qsgd-4": {"compressors": ("qsgd-4",)},
     "qsgd-2": {"compressors": ("qsgd-2",)},
     "qsgd-4-w60": {"compressors": ("qsgd-4",), "compress_after": "K"},
+    "qsgd-4-w60-frozen": {"compressors": ("qsgd-4",), "compress_after": "K",
+                          "freeze_variance": True},
     "onebit": {"compressors": ("onebit",)},
     "onebit-w60": {"compressors": ("onebit",), "compress_after": "K"},
     "onebit-w120": {"compressors": ("onebit",), "compress_after": "W"},
