@@ -304,8 +304,6 @@ def _other_builders():
     return builders
 
 
-
-
 def _params(axes):
     """The replicated parameters ``P()``, abstract."""
     return {name: _abstract(shape, P(), _mesh(axes)) for name, shape in SHAPES.items()}

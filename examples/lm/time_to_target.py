@@ -113,7 +113,7 @@ def rows(frontier: dict, times: dict[int, dict[str, float]], within: float = 0.0
         reach = steps_to(target, steps, values)
         row = {"name": point["name"], "bytes_per_step": point["bytes_per_step"],
                "vs_none": point["vs_none"], "seeds": point["seeds"], "steps": reach,
-               "target": target, "seconds": {}, "curve_seconds": {}}
+               "target": target, "within": within, "seconds": {}, "curve_seconds": {}}
         for rate, t in times.items():
             try:
                 row["seconds"][rate] = None if reach is None else seconds(
@@ -160,7 +160,7 @@ def table(out: list[dict], rates: list[int], times: dict[int, dict[str, float]])
 
 def within_words(out: list[dict]) -> str:
     """What the target is, in words: none's mean final loss, or a share above it."""
-    share = out[0].get("within", 0.0)
+    share = out[0]["within"]
     return ("none's mean after the frontier's steps" if not share else
             f"{100 * share:g}% above none's mean after the frontier's steps")
 
@@ -204,8 +204,6 @@ def main(argv=None) -> list[dict]:
         parser.error(f"no step times for {empty} Mbit/s: run the shaped launches of this "
                      "script's docstring first")
     out = rows(json.loads((folder / "frontier.json").read_text()), times, args.within)
-    for r in out:
-        r["within"] = args.within
     stem = "time_to_target" + (f"_{100 * args.within:g}pct" if args.within else "")
     (folder / f"{stem}.json").write_text(json.dumps(out, indent=1))
     (folder / f"{stem}.md").write_text(table(out, rates, times))
