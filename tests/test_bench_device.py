@@ -5,9 +5,10 @@ import json
 import math
 
 import jax
+import jax.numpy as jnp
 import pytest
 
-from qcollect.bench import device
+from qcollect.bench import _device_report, _profile, device
 from qcollect.bench.__main__ import BENCHMARKS
 from qcollect.bench.__main__ import main as bench_main
 from qcollect.bench.quantizers import COMPRESSORS
@@ -42,7 +43,9 @@ def test_copy_bandwidth_is_measured(written):
 def test_a_row_per_compressor_with_rates_and_fractions_of_copy(written):
     result, _ = written
     rows = {r["compressor"]: r for r in result["compressors"]}
-    assert list(rows) == list(COMPRESSORS)
+    # The targets' compressors first, the time budget's last rows least needed.
+    targeted = list(_device_report.ROUND_TRIP_TARGETS)
+    assert list(rows) == targeted + [n for n in COMPRESSORS if n not in targeted]
     values = 256 * 256
     for r in rows.values():
         assert r["round_trip_bytes"] == 8 * values
@@ -53,6 +56,31 @@ def test_a_row_per_compressor_with_rates_and_fractions_of_copy(written):
     # The bytes a codec must move: the float32 input and the payload.
     assert rows["identity"]["encode_bytes"] == 8 * values
     assert rows["onebit (bucket 64)"]["encode_bytes"] < 5 * values
+    # What the compiled round trip moves: at least the input and the residual.
+    for name in ("onebit (bucket 64)", "qsgd-4 (bucket 512)"):
+        r = rows[name]
+        assert r["round_trip_kernels"] >= 1
+        assert r["round_trip_compiled_bytes"] >= r["round_trip_bytes"]
+        assert r["round_trip_compiled_of_copy"] == pytest.approx(
+            r["round_trip_of_copy"] * r["round_trip_compiled_bytes"] / r["round_trip_bytes"])
+
+
+def test_targets_and_a_profile_for_each_miss(written):
+    result, folder = written
+    assert result["complete"] is True
+    assert result["targets"] == _device_report.targets(result)
+    names = [t["target"] for t in result["targets"]]
+    assert names == [f"{c} round trip >= 0.5 of copy" for c in _device_report.ROUND_TRIP_TARGETS
+                     ] + ["qsgd-4 step <= 1.10 x none"]
+    missed_codecs = [t for t in result["targets"][:2] if not t["met"]]
+    for t in missed_codecs:
+        profile = result["profiles"][f"the {t['target'].split(' round trip')[0]} round trip"]
+        assert 1 <= len(profile["top"]) <= 4 and profile["total_ms"] > 0
+        assert all(ms >= 0 for _, ms in profile["top"])
+    step_missed = not result["targets"][2]["met"]
+    assert ("the step with qsgd-4" in result["profiles"]) == step_missed
+    assert ("the step with none" in result["profiles"]) == step_missed
+    assert "## Targets" in (folder / "device.md").read_text()
 
 
 def test_language_model_rows_against_none(written):
@@ -84,5 +112,60 @@ def test_network_rows_over_several_devices():
 def test_lm_names_are_one_compressor_all_reduces():
     device._examples()
     names = device.lm_names()
-    assert names[0] == "none" and "qsgd-4" in names
+    assert names[:4] == ["none", "local", "qsgd-4", "onebit"]
     assert not set(names) & set(device.OTHER_TRANSFORMS)
+
+
+def test_a_spent_budget_skips_the_rest_and_says_so(tmp_path):
+    assert device.main(["--quick", "--budget", "1e-9", "--out", str(tmp_path)]) == 0
+    folder = tmp_path / jax.default_backend()
+    result = json.loads((folder / "device.json").read_text())
+    assert result["complete"] is True and result["copy_gbs"] > 0
+    assert all("--budget" in r["skipped"] for r in result["compressors"])
+    assert "--budget" in result["lm"]["skipped"]
+    assert [t["met"] for t in result["targets"]] == [None, None]
+    assert "not measured" in (folder / "device.md").read_text()
+
+
+def test_each_part_is_saved_and_a_failing_codec_says_why(monkeypatch):
+    def broken(x):
+        raise ValueError("no such codec here")
+
+    monkeypatch.setitem(device.COMPRESSORS, "broken", broken)
+    saved = []
+    s = device.QUICK
+    result = device.run(s, ["broken", "qsgd-4 (bucket 512)"], ["none"], 1.0, lambda line: None,
+                        lambda r: saved.append(json.loads(json.dumps(r))))
+    broken_row, qsgd_row = result["compressors"]
+    assert broken_row == {"compressor": "broken", "error": "ValueError: no such codec here"}
+    assert qsgd_row["round_trip_gbs"] > 0
+    # After each compressor and before each later part; complete only at the end.
+    assert [len(r["compressors"]) for r in saved] == [1, 2, 2, 2, 2]
+    assert [r["complete"] for r in saved] == [False] * 4 + [True]
+    assert "lm" not in saved[1] and "network" in saved[-1]
+    assert "Incomplete" in _device_report.markdown(saved[0])
+    assert "Incomplete" not in _device_report.markdown(saved[-1])
+
+
+def test_profile_of_a_jitted_call():
+    fn = jax.jit(lambda x: jnp.sign(x) * jnp.mean(jnp.abs(x)))
+    profile = device.profile_of(fn, (jnp.ones((256, 256)),), top=2)
+    assert 1 <= len(profile["top"]) <= 2 and profile["total_ms"] > 0
+    assert device.profile_of(lambda x: x, (1.0,), top=2)["error"].startswith("AttributeError")
+
+
+def test_event_times_on_a_gpu_like_trace():
+    """A GPU's trace: kernels on the device's timeline with ``_`` for ``.``,
+    their launches on the host naming the same operation; the device's count."""
+    events = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "X", "pid": 1, "name": "launch", "dur": 5.0, "args": {"hlo_op": "fusion.3"}},
+        {"ph": "X", "pid": 2, "name": "fusion_3", "dur": 40.0},
+        {"ph": "X", "pid": 2, "name": "loop_add_fusion", "dur": 10.0, "args": {}},
+        {"ph": "X", "pid": 2, "name": "memcpy", "dur": 99.0},
+    ]
+    assert _profile.event_times(events, {"fusion.3", "loop_add_fusion"}) == {
+        "fusion.3": 40.0, "loop_add_fusion": 10.0}
+    host_only = [e for e in events if e["pid"] != 2]
+    assert _profile.event_times(host_only, {"fusion.3"}) == {"fusion.3": 5.0}

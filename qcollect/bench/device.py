@@ -21,18 +21,24 @@ in one run:
    reads the float32 input and writes the payload (``4 n + payload``
    bytes), decode reads the payload and writes ``4 n``, the round trip
    reads the input and writes the residual (``8 n``: twice the input). A
-   fraction of 1.0 moves those bytes as fast as the device copies an array;
-   the bytes the compiled kernels really move are the quantizer
-   benchmark's (its memory-floor columns, `qcollect.memory_bytes`).
+   fraction of 1.0 moves those bytes as fast as the device copies an array.
+   Beside them, the compiled round trip's memory-touching kernels and the
+   bytes they really read and write (`qcollect.memory_report`), so that a
+   slow round trip shows whether it moves too many bytes or moves them
+   slowly.
 3. the language model's training step (``examples/lm``: the GPT at width
    512, depth 8, 8 heads, context 256, 16 windows a step; ``--quick``: a
    tiny one) on a one-device mesh: the examples' own step
    (``common.train.DataParallel.step``: gradients, all-reduce, clip by
-   global norm, AdamW) with the all-reduce ``none`` and each example name
-   that runs `transforms.compressed_all_reduce` with one compressor. With
-   one device the exchange is empty, so the step's time over ``none``'s is
+   global norm, AdamW) with the all-reduce ``none``, with none at all
+   (``local``: the step's compute alone), and with each example name that
+   runs `transforms.compressed_all_reduce` with one compressor. With one
+   device the exchange is empty, so the step's time over ``none``'s is
    what the codec (encode, decode, error feedback) costs inside a real
-   step, bounded, like the codecs alone, by the bytes it moves. This part
+   step, bounded, like the codecs alone, by the bytes it moves; ``local``
+   shows what ``none``'s all-reduce of one device still costs (XLA:CPU
+   runs it as a copy of the gradients; the ratios to ``none`` are low by
+   that much). This part
    needs the repository's ``examples/`` folder
    (`qcollect.bench.training.examples_dir`); without it, it is skipped.
 4. with more than one device on an accelerator platform, the network
@@ -41,6 +47,13 @@ in one run:
    ``--network-mib`` MiB per device; otherwise skipped, and the files say
    why (``python -m qcollect.bench network`` measures CPU processes over a
    shaped network).
+
+5. the targets a GPU should meet (`qcollect.bench._device_report.targets`:
+   the 1-bit and 4-bit round trips at half the copy bandwidth, every step at
+   most 10 % over ``none``'s) and, for each program that misses one, its
+   profile (`qcollect.bench._profile.op_times`: device time per operation
+   of the compiled program, ``--profile-top`` of them; with the step's,
+   ``none``'s for reference).
 
 Times are medians of ``--repeats`` interleaved repetitions
 (`qcollect.bench._timing.interleaved_medians`); each timed call dispatches
@@ -58,7 +71,14 @@ Run it on the GPU machine as it is::
 never with ``JAX_PLATFORMS=cpu`` there (it would measure the host). It
 writes ``device.md`` and ``device.json`` into
 ``examples/results/device/<platform>/`` of the checkout (``<platform>``:
-``jax.default_backend()``, e.g. ``gpu``, ``cpu``) or of ``--out``.
+``jax.default_backend()``, e.g. ``gpu``, ``cpu``) or of ``--out``, after
+each compressor and each part, so that a run stopped from outside leaves
+what it measured (``"complete": false``). Rows not started within
+``--budget`` seconds (default 360, which leaves the rows started before
+it and the profiles time to end within the 8 minutes a run should take)
+are skipped and say so; a compressor or a part that fails says why in
+its place and the rest still run: one run on a machine lent for minutes
+returns every figure it can.
 """
 
 from __future__ import annotations
@@ -69,13 +89,19 @@ import json
 import pathlib
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
 import qcollect as qc
+from qcollect.bench._device_report import (
+    ROUND_TRIP_TARGETS,
+    STEP_OVERHEAD_TARGET,
+    markdown,
+    targets,
+)
 from qcollect.bench._timing import Call, interleaved_medians, time_once
 from qcollect.bench.passes import bandwidths, stream_calls
 from qcollect.bench.quantizers import COMPRESSORS, gradient_like
@@ -104,13 +130,36 @@ class Setting:
     batch: int = 16
     repeats: int = 9
     calls: int = 10
+    budget: float = 360.0
+    profile_top: int = 8
 
 
 QUICK = Setting(rows=256, cols=256, stream_values=1 << 22, width=32, depth=1, heads=2,
-                context=16, batch=2, repeats=3, calls=2)
+                context=16, batch=2, repeats=3, calls=2, budget=3600.0, profile_top=4)
 #: The all-reduces of the language model's rows in ``--quick`` (compiling a
 #: step on a CPU takes seconds).
-QUICK_LM = ("none", "qsgd-4")
+QUICK_LM = ("none", "local", "qsgd-4")
+
+
+@dataclasses.dataclass
+class Clock:
+    """The run's time budget: `out` once ``budget`` seconds have passed
+    since ``start``."""
+
+    budget: float
+    start: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def elapsed(self) -> float:
+        """Seconds since the start."""
+        return time.perf_counter() - self.start
+
+    def out(self) -> bool:
+        """Whether the budget is spent."""
+        return self.elapsed() > self.budget
+
+    def why(self) -> str:
+        """What a row skipped for time says."""
+        return f"not measured: the run's {self.budget:g} s budget (--budget) was spent"
 
 
 def _repeated(fn: Callable[..., Any], calls: int) -> Callable[..., Any]:
@@ -137,48 +186,112 @@ def _medians(timed: dict[str, Call], repeats: int, calls: int) -> dict[str, floa
     return {name: s / counts[name] for name, s in interleaved_medians(batched, repeats).items()}
 
 
-def copy_bandwidth(x: jax.Array, repeats: int, calls: int) -> dict[str, float]:
+def _failure(err: BaseException) -> str:
+    """One line saying what failed (a part's or a row's ``error``)."""
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
+
+
+def copy_bandwidth(x: jax.Array, repeats: int, calls: int) -> tuple[dict[str, float], str]:
     """Bytes per second of the STREAM read, copy and triad over arrays like
-    ``x`` (`qcollect.bench.passes.bandwidths`), and ``"best"``."""
+    ``x`` and ``"best"``, and how their bytes were counted: the compiled
+    kernels' (`qcollect.bench.passes.bandwidths`), or, where the compiled
+    program cannot be read, the bytes the kernels must move (4n, 8n, 12n)."""
     stream = stream_calls(x, x * 2)
-    return bandwidths(stream, _medians(stream, repeats, calls))
+    seconds = _medians(stream, repeats, calls)
+    try:
+        return bandwidths(stream, seconds), "bytes of the compiled kernels"
+    except Exception:  # noqa: BLE001 - an unknown backend's HLO; the plain bytes hold
+        must = {"read": 4, "copy": 8, "triad": 12}
+        rates = {k: must[k] * x.size / seconds[f"stream {k}"] for k in must}
+        return {**rates, "best": max(rates.values())}, "bytes the kernels must move"
 
 
-def codec_rows(x: jax.Array, names: Sequence[str], repeats: int, calls: int, copy: float,
-               say: Say) -> list[dict[str, Any]]:
-    """One row per compressor of ``names``: encode, decode and the round trip
-    on ``x``, as ms, GB/s of the bytes they must move and fractions of
-    ``copy`` (bytes per second)."""
+def _round_trip_traffic(fn: Callable[..., Any], args: tuple[Any, ...], seconds: float,
+                        copy: float) -> dict[str, Any]:
+    """The compiled round trip's memory-touching kernels and their bytes
+    (`qcollect.memory_report`), and that traffic's rate over ``copy``."""
+    try:
+        kernels = qc.memory_report(fn, *args)
+    except Exception as err:  # noqa: BLE001 - the timings stand without it
+        return {"round_trip_compiled_bytes": None, "round_trip_traffic_error": _failure(err)}
+    moved = sum(k.traffic for k in kernels)
+    return {"round_trip_kernels": len(kernels), "round_trip_compiled_bytes": moved,
+            "round_trip_compiled_of_copy": moved / seconds / copy}
+
+
+def codec_row(name: str, x: jax.Array, s: Setting, copy: float
+              ) -> tuple[dict[str, Any], Call]:
+    """Encode, decode and the round trip of compressor ``name`` on ``x``, as
+    ms, GB/s of the bytes they must move and fractions of ``copy`` (bytes
+    per second), with the compiled round trip's traffic; and the round trip
+    as a call (for a profile)."""
     key = jax.random.key(1)
     n = x.size
-    rows = []
+    c = COMPRESSORS[name](x)
+    encode, decode = jax.jit(c.encode), jax.jit(c.decode)
+    payload = encode(x, key)
+    round_trip = jax.jit(lambda x, k, c=c: x - c.round_trip(x, k)[1])
+    seconds = _medians({"encode": (encode, (x, key)), "decode": (decode, (payload,)),
+                        "round_trip": (round_trip, (x, key))}, s.repeats, s.calls)
+    sent = qc.payload_bytes(payload)
+    moved = {"encode": 4 * n + sent, "decode": sent + 4 * n, "round_trip": 8 * n}
+    row: dict[str, Any] = {"compressor": name, "bits_per_element": 8 * sent / n}
+    for part, count in moved.items():
+        rate = count / seconds[part]
+        row.update({f"{part}_ms": 1e3 * seconds[part], f"{part}_bytes": count,
+                    f"{part}_gbs": rate / 1e9, f"{part}_of_copy": rate / copy})
+    row.update(_round_trip_traffic(round_trip, (x, key), seconds["round_trip"], copy))
+    return row, (round_trip, (x, key))
+
+
+def profile_of(fn: Callable[..., Any], args: tuple[Any, ...], top: int) -> dict[str, Any]:
+    """The ``top`` operations of a jitted call by device time
+    (`qcollect.bench._profile.op_times`) and all operations' total, or
+    what failed."""
+    from qcollect.bench._profile import op_times
+
+    try:
+        ops = op_times(fn.lower(*args).compile(), args)  # type: ignore[attr-defined]
+    except Exception as err:  # noqa: BLE001 - a profiler missing on the device
+        return {"error": _failure(err)}
+    return {"top": [list(op) for op in ops[:top]], "total_ms": sum(ms for _, ms in ops)}
+
+
+def codec_rows(x: jax.Array, names: Sequence[str], s: Setting, copy: float, clock: Clock,
+               say: Say) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """`codec_row` of each of ``names`` as it is measured, with the profile
+    of its round trip when below its target (`_device_report.ROUND_TRIP_TARGETS`);
+    a failing one says why and the rest still run; past the budget the
+    rest are skipped."""
     for name in names:
-        c = COMPRESSORS[name](x)
-        encode, decode = jax.jit(c.encode), jax.jit(c.decode)
-        payload = encode(x, key)
-        round_trip = jax.jit(lambda x, k, c=c: x - c.round_trip(x, k)[1])
-        seconds = _medians({"encode": (encode, (x, key)), "decode": (decode, (payload,)),
-                            "round_trip": (round_trip, (x, key))}, repeats, calls)
-        sent = qc.payload_bytes(payload)
-        moved = {"encode": 4 * n + sent, "decode": sent + 4 * n, "round_trip": 8 * n}
-        row: dict[str, Any] = {"compressor": name, "bits_per_element": 8 * sent / n}
-        for part, count in moved.items():
-            rate = count / seconds[part]
-            row.update({f"{part}_ms": 1e3 * seconds[part], f"{part}_bytes": count,
-                        f"{part}_gbs": rate / 1e9, f"{part}_of_copy": rate / copy})
-        rows.append(row)
+        if clock.out():
+            yield {"compressor": name, "skipped": clock.why()}, {}
+            continue
+        try:
+            row, call = codec_row(name, x, s, copy)
+        except Exception as err:  # noqa: BLE001 - one codec failing is itself a finding
+            say(f"{name}: failed: {_failure(err)}")
+            yield {"compressor": name, "error": _failure(err)}, {}
+            continue
+        profiles = {}
+        if s.profile_top and row["round_trip_of_copy"] < ROUND_TRIP_TARGETS.get(name, 0.0):
+            profiles[f"the {name} round trip"] = profile_of(*call, s.profile_top)
         say(f"{name}: encode {row['encode_gbs']:.1f} GB/s, decode {row['decode_gbs']:.1f} "
             f"GB/s, round trip {row['round_trip_gbs']:.1f} GB/s")
-    return rows
+        yield row, profiles
 
 
 def lm_names() -> list[str]:
-    """``none`` and every example name that runs one compressor through
+    """``none``, ``local`` (no all-reduce: the step's compute alone) and
+    every example name that runs one compressor through
     `transforms.compressed_all_reduce` (``common.config.COMPRESSOR_NAMES``
-    but `OTHER_TRANSFORMS`); needs the examples on ``sys.path`` (`_examples`)."""
-    from common.config import COMPRESSOR_NAMES
+    but `OTHER_TRANSFORMS`), the targets' ``qsgd-4`` and ``onebit`` next;
+    needs the examples on ``sys.path`` (`_examples`)."""
+    from common.config import COMPRESSOR_NAMES, COMPUTE_ONLY
 
-    return [n for n in COMPRESSOR_NAMES if n not in OTHER_TRANSFORMS]
+    names = [n for n in COMPRESSOR_NAMES if n not in OTHER_TRANSFORMS]
+    first = ["none", COMPUTE_ONLY, *(n for n in ("qsgd-4", "onebit") if n in names)]
+    return first + [n for n in names if n not in first]
 
 
 def _examples() -> pathlib.Path:
@@ -192,9 +305,11 @@ def _examples() -> pathlib.Path:
     return folder
 
 
-def lm_rows(s: Setting, names: Sequence[str], say: Say) -> list[dict[str, Any]]:
-    """Median step ms of the language model on a one-device mesh per
-    all-reduce of ``names`` (``none`` first), and its ratio to ``none``'s."""
+def lm_steps(s: Setting, names: Sequence[str], clock: Clock, say: Say
+             ) -> tuple[dict[str, Call], dict[str, str], int]:
+    """The language model's compiled step on a one-device mesh per
+    all-reduce of ``names`` (``none`` first), what was not compiled and
+    why (a failure, the time budget), and the model's parameter count."""
     _examples()
     import optax
     from common.train import DataParallel, make_optimizer
@@ -211,18 +326,46 @@ def lm_rows(s: Setting, names: Sequence[str], say: Say) -> list[dict[str, Any]]:
     x, y = dp.batch(windows[:, :-1], windows[:, 1:])
     params = dp.place(dp.params)
     steps: dict[str, Call] = {}
+    missing: dict[str, str] = {}
     for name in ["none", *(n for n in names if n != "none")]:
-        comm = dp.communication(name, cfg, jax.random.key(cfg.seed))
-        tx = dp.transformation(comm, optimizer)
-        state = dp.init(tx, params)
-        step = dp.step(tx, state, replicated=comm.replicated)
-        jax.block_until_ready(step(params, state, x, y))
+        if clock.out() and name != "none":
+            missing[name] = clock.why()
+            continue
+        try:
+            comm = dp.communication(name, cfg, jax.random.key(cfg.seed))
+            tx = dp.transformation(comm, optimizer)
+            state = dp.init(tx, params)
+            step = dp.step(tx, state, replicated=comm.replicated)
+            jax.block_until_ready(step(params, state, x, y))
+        except Exception as err:  # noqa: BLE001 - the other rows still measure
+            missing[name] = f"failed: {_failure(err)}"
+            continue
         steps[name] = (step, (params, state, x, y))
         say(f"compiled the step with {name}")
+    return steps, missing, sum(leaf.size for leaf in jax.tree.leaves(dp.params))
+
+
+def lm_rows(s: Setting, names: Sequence[str], clock: Clock, say: Say) -> dict[str, Any]:
+    """Median step ms of the language model per all-reduce of ``names``,
+    its ratio to ``none``'s, what was not measured and why, and the
+    profiles of ``none`` and of the two slowest steps over the target
+    (`_device_report.STEP_OVERHEAD_TARGET`)."""
+    steps, missing, count = lm_steps(s, names, clock, say)
+    if "none" not in steps:
+        raise RuntimeError(f"the step with none did not compile: {missing.get('none')}")
     seconds = _medians(steps, s.repeats, s.calls)
-    count = sum(leaf.size for leaf in jax.tree.leaves(dp.params))
-    return [{"all_reduce": name, "parameters": count, "step_ms": 1e3 * t,
-             "overhead_vs_none": t / seconds["none"]} for name, t in seconds.items()]
+    say("timed the steps: " + ", ".join(f"{n} {1e3 * t:.1f} ms" for n, t in seconds.items()))
+    rows: list[dict[str, Any]] = [
+        {"all_reduce": name, "parameters": count, "step_ms": 1e3 * t,
+         "overhead_vs_none": t / seconds["none"]} for name, t in seconds.items()]
+    over = sorted((name for name, t in seconds.items()
+                   if t / seconds["none"] > STEP_OVERHEAD_TARGET),
+                  key=lambda name: -seconds[name])[:2]
+    profiles = {}
+    if s.profile_top and over:
+        for name in ["none", *over]:
+            profiles[f"the step with {name}"] = profile_of(*steps[name], s.profile_top)
+    return {"rows": rows, "not_measured": missing, "profiles": profiles}
 
 
 def network_rows(mib: float, repeats: int, calls: int, methods: Sequence[str] | None = None
@@ -245,7 +388,7 @@ def network_rows(mib: float, repeats: int, calls: int, methods: Sequence[str] | 
              "wire_bytes": qc.wire_bytes(fn, *args)} for m, (fn, args) in timed.items()]
 
 
-def _lm_part(s: Setting, names: Sequence[str], say: Say) -> dict[str, Any]:
+def _lm_part(s: Setting, names: Sequence[str], clock: Clock, say: Say) -> dict[str, Any]:
     """The language model's rows, or why they were skipped."""
     setting = {"width": s.width, "depth": s.depth, "heads": s.heads, "context": s.context,
                "batch": s.batch}
@@ -253,10 +396,12 @@ def _lm_part(s: Setting, names: Sequence[str], say: Say) -> dict[str, Any]:
         _examples()
     except FileNotFoundError as err:
         return {"setting": setting, "rows": [], "skipped": str(err)}
-    return {"setting": setting, "rows": lm_rows(s, names, say)}
+    if clock.out():
+        return {"setting": setting, "rows": [], "skipped": clock.why()}
+    return {"setting": setting, **lm_rows(s, names, clock, say)}
 
 
-def _network_part(mib: float, s: Setting) -> dict[str, Any]:
+def _network_part(mib: float, s: Setting, clock: Clock) -> dict[str, Any]:
     """The network rows on an accelerator with several devices, or why not."""
     platform, n = jax.default_backend(), len(jax.devices())
     if platform == "cpu" or n < 2:
@@ -264,90 +409,54 @@ def _network_part(mib: float, s: Setting) -> dict[str, Any]:
                f"the {n} devices are CPU devices of one process; python -m qcollect.bench "
                "network measures CPU processes over a network")
         return {"rows": [], "skipped": why}
+    if clock.out():
+        return {"rows": [], "skipped": clock.why()}
     return {"rows": network_rows(mib, s.repeats, s.calls)}
 
 
-def run(s: Setting, names: Sequence[str], lm: Sequence[str], mib: float,
-        say: Say) -> dict[str, Any]:
-    """Every part of the benchmark (module docstring) as one JSON-ready dict."""
-    start = time.perf_counter()
+def _guarded(result: dict[str, Any], part: str, fn: Callable[[], Any]) -> None:
+    """``result[part] = fn()``; a part that fails says why in its place."""
+    try:
+        result[part] = fn()
+    except Exception as err:  # noqa: BLE001 - the other parts are still worth writing
+        result[part] = {"rows": [], "skipped": f"failed: {_failure(err)}"}
+
+
+def run(s: Setting, names: Sequence[str], lm: Sequence[str], mib: float, say: Say,
+        save: Callable[[dict[str, Any]], None] = lambda r: None) -> dict[str, Any]:
+    """Every part of the benchmark (module docstring) as one JSON-ready dict,
+    passed to ``save`` after each part, so that a run stopped from outside
+    leaves what it measured (``complete`` is False until the end)."""
+    clock = Clock(s.budget)
     device = jax.devices()[0]
-    x = gradient_like(s.rows * s.cols)
-    big = x if s.stream_values == x.size else gradient_like(s.stream_values)
-    rates = copy_bandwidth(big, s.repeats, s.calls)
-    del big
-    say(f"copy bandwidth {rates['copy'] / 1e9:.1f} GB/s")
-    return {
+    r: dict[str, Any] = {
         "platform": jax.default_backend(), "device": device.device_kind,
         "devices": len(jax.devices()), "jax": jax.__version__, "setting": dataclasses.asdict(s),
-        "values": int(x.size), "shape": list(x.shape), "stream_values": s.stream_values,
-        "bandwidth_gbs": {k: v / 1e9 for k, v in rates.items()},
-        "copy_gbs": rates["copy"] / 1e9,
-        "compressors": codec_rows(x, names, s.repeats, s.calls, rates["copy"], say),
-        "lm": _lm_part(s, lm, say),
-        "network": _network_part(mib, s),
-        "seconds": time.perf_counter() - start,
-    }
-
-
-def _codec_table(r: dict[str, Any]) -> list[str]:
-    """The compressors' table."""
-    lines = ["| compressor | bits/elem | encode ms | GB/s | of copy | decode ms | GB/s "
-             "| of copy | EF round trip ms | GB/s | of copy |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for c in r["compressors"]:
-        cells = [f"{c['bits_per_element']:.3f}"]
-        for part in ("encode", "decode", "round_trip"):
-            cells += [f"{c[part + '_ms']:.3f}", f"{c[part + '_gbs']:.1f}",
-                      f"{c[part + '_of_copy']:.2f}"]
-        lines.append(f"| {c['compressor']} | " + " | ".join(cells) + " |")
-    return lines
-
-
-def _lm_table(lm: dict[str, Any]) -> list[str]:
-    """The language model's table, or why it was skipped."""
-    if not lm["rows"]:
-        return [f"Skipped: {lm['skipped']}"]
-    g = lm["setting"]
-    lines = [f"GPT {g['depth']} x {g['width']} ({g['heads']} heads, context {g['context']}, "
-             f"{g['batch']} windows a step, {lm['rows'][0]['parameters']:,} parameters) "
-             "on a one-device mesh:", "",
-             "| all-reduce | step ms | step / none |", "|---|---:|---:|"]
-    lines += [f"| {r['all_reduce']} | {r['step_ms']:.2f} | {r['overhead_vs_none']:.3f} |"
-              for r in lm["rows"]]
-    return lines
-
-
-def _network_table(net: dict[str, Any]) -> list[str]:
-    """The network rows, or why they were skipped."""
-    if not net["rows"]:
-        return [f"Skipped: {net['skipped']}."]
-    lines = ["| method | devices | MiB / device | median ms | speedup vs psum | wire bytes |",
-             "|---|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['method']} | {r['devices']} | {r['mib']:g} | {r['median_ms']:.3f} "
-              f"| {r['speedup_vs_psum']:.2f} | {r['wire_bytes']:,} |" for r in net["rows"]]
-    return lines
-
-
-def markdown(r: dict[str, Any]) -> str:
-    """The report of `run`'s result."""
-    s = r["setting"]
-    bw = r["bandwidth_gbs"]
-    head = [f"# Device benchmark: {r['platform']} ({r['device']}, {r['devices']} device(s), "
-            f"jax {r['jax']})", "",
-            f"Medians of {s['repeats']} interleaved repetitions of up to {s['calls']} "
-            f"back-to-back calls; {r['seconds']:.0f} s in all.", "",
-            f"Memory bandwidth over {r['stream_values']:,} float32 values (STREAM kernels, "
-            f"bytes of the compiled kernels): copy **{bw['copy']:.1f} GB/s**, read "
-            f"{bw['read']:.1f} GB/s, triad {bw['triad']:.1f} GB/s.", "",
-            f"## Codecs on a {r['shape'][0]} x {r['shape'][1]} float32 matrix", "",
-            "GB/s: the bytes each call must move over its median time: encode reads the "
-            "float32 input and writes the payload, decode the reverse, the error-feedback "
-            "round trip `x - round_trip(x)` reads the input and writes the residual (2x the "
-            "input). `of copy`: that rate over the copy bandwidth.", ""]
-    return "\n".join(head + _codec_table(r) + ["", "## Language-model step", ""]
-                     + _lm_table(r["lm"]) + ["", "## All-reduce across devices", ""]
-                     + _network_table(r["network"])) + "\n"
+        "complete": False, "seconds": 0.0}
+    x = gradient_like(s.rows * s.cols)
+    big = x if s.stream_values == x.size else gradient_like(s.stream_values)
+    rates, counted = copy_bandwidth(big, s.repeats, s.calls)
+    del big
+    say(f"copy bandwidth {rates['copy'] / 1e9:.1f} GB/s")
+    r.update({"values": int(x.size), "shape": list(x.shape), "stream_values": s.stream_values,
+              "bandwidth_gbs": {k: v / 1e9 for k, v in rates.items()},
+              "bandwidth_bytes": counted, "copy_gbs": rates["copy"] / 1e9})
+    r.update(compressors=[], profiles={})
+    for row, profiles in codec_rows(x, names, s, rates["copy"], clock, say):
+        r["compressors"].append(row)
+        r["profiles"].update(profiles)
+        r["seconds"] = clock.elapsed()
+        save(r)
+    del x
+    for part, fn in (("lm", lambda: _lm_part(s, lm, clock, say)),
+                     ("network", lambda: _network_part(mib, s, clock))):
+        r["seconds"] = clock.elapsed()
+        save(r)
+        _guarded(r, part, fn)
+    r["profiles"].update(r["lm"].pop("profiles", {}))
+    r.update(targets=targets(r), complete=True, seconds=clock.elapsed())
+    save(r)
+    return r
 
 
 def _default_out() -> pathlib.Path:
@@ -373,20 +482,39 @@ def _parser() -> argparse.ArgumentParser:
                                 description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
                    help="256 x 256 values, the bandwidth over 4M, a tiny model, all-reduces "
-                        "none and qsgd-4")
+                        f"{', '.join(QUICK_LM)}")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="writes DIR/<platform>/device.{md,json} "
                         "(default: the checkout's examples/results/device)")
     p.add_argument("--only", nargs="*", default=None, metavar="NAME",
                    help="compressors to run (substring match); default all")
     p.add_argument("--lm", default=None,
-                   help="comma-separated all-reduces of the model's step (default: none and "
-                        "every one compressor name of the examples)")
+                   help="comma-separated all-reduces of the model's step (default: none, "
+                        "local and every one compressor name of the examples)")
     p.add_argument("--repeats", type=int, default=None, help="interleaved repetitions")
     p.add_argument("--calls", type=int, default=None, help="most back-to-back calls per timing")
     p.add_argument("--network-mib", type=float, default=64.0,
                    help="MiB per device of the all-reduce across devices (default 64)")
+    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                   help="seconds after which the rows not yet started are skipped, each "
+                        "saying so (default 360; --quick: 3600)")
+    p.add_argument("--profile-top", type=int, default=None, metavar="K",
+                   help="operations listed per profile of a program that misses its target "
+                        "(default 8; --quick: 4; 0: no profiles)")
     return p
+
+
+def _writer(folder: pathlib.Path) -> Callable[[dict[str, Any]], None]:
+    """Writes a result as ``folder/device.{md,json}``, the JSON replaced at once."""
+
+    def save(result: dict[str, Any]) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "device.md").write_text(markdown(result))
+        part = folder / "device.json.part"
+        part.write_text(json.dumps(result, indent=1))
+        part.replace(folder / "device.json")
+
+    return save
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -394,12 +522,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     s = QUICK if args.quick else Setting()
-    s = dataclasses.replace(s, repeats=args.repeats or s.repeats, calls=args.calls or s.calls)
+    s = dataclasses.replace(
+        s, repeats=args.repeats or s.repeats, calls=args.calls or s.calls,
+        budget=s.budget if args.budget is None else args.budget,
+        profile_top=s.profile_top if args.profile_top is None else args.profile_top)
     if s.repeats < 1 or s.calls < 1 or not args.network_mib > 0:
         parser.error("--repeats and --calls must be >= 1 and --network-mib > 0")
+    if not s.budget > 0 or s.profile_top < 0:
+        parser.error("--budget must be > 0 and --profile-top >= 0")
     names = [n for n in COMPRESSORS if not args.only or any(o in n for o in args.only)]
     if not names:
         parser.error(f"--only matched none of: {', '.join(COMPRESSORS)}")
+    names.sort(key=lambda n: n not in ROUND_TRIP_TARGETS)  # the targets' first
     try:
         _examples()
         known = lm_names()
@@ -411,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--lm must name some of {', '.join(known)}, got {lm}")
     lm = ["none", *(n for n in lm if n != "none")]
     folder = (pathlib.Path(args.out) if args.out else _default_out()) / jax.default_backend()
-    bar = _progress(1 + len(names) + len(lm))
+    bar = _progress(1 + len(names) + len(lm) + 1)  # the bandwidth, rows, steps' timing
 
     def say(line: str) -> None:
         if bar is None:
@@ -420,15 +554,11 @@ def main(argv: list[str] | None = None) -> int:
         bar.update(1)
         bar.write(line)
 
-    result = run(s, names, lm, args.network_mib, say)
+    result = run(s, names, lm, args.network_mib, say, _writer(folder))
     if bar is not None:
         bar.close()
-    folder.mkdir(parents=True, exist_ok=True)
-    text = markdown(result)
-    (folder / "device.md").write_text(text)
-    with open(folder / "device.json", "w") as f:
-        json.dump(result, f, indent=1)
-    print(text + f"wrote {folder / 'device.md'} and {folder / 'device.json'}", flush=True)
+    print(markdown(result) + f"wrote {folder / 'device.md'} and {folder / 'device.json'}",
+          flush=True)
     return 0
 
 
