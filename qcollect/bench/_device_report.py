@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from qcollect.bench._profile import profile_table
+
 #: Error-feedback round trips that should reach this fraction of the copy
 #: bandwidth, by the quantizer benchmark's compressor names.
 ROUND_TRIP_TARGETS = {"onebit (bucket 64)": 0.5, "qsgd-4 (bucket 512)": 0.5}
@@ -121,9 +123,7 @@ def _targets_section(r: dict[str, Any]) -> list[str]:
         if "error" in profile:
             lines.append(f"failed: {profile['error']}")
             continue
-        whole = profile["total_ms"] or 1.0
-        lines += ["| operation | ms | share |", "|---|---:|---:|"]
-        lines += [f"| {op} | {ms:.3f} | {100 * ms / whole:.0f}% |" for op, ms in profile["top"]]
+        lines.append(profile_table(profile["top"], len(profile["top"]), profile["total_ms"], 3))
     return lines
 
 

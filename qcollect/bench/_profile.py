@@ -95,9 +95,11 @@ def op_times(compiled: jax.stages.Compiled, args: Sequence[Any], steps: int = 3
     return [(name, us / 1e3 / steps) for name, us in most]
 
 
-def profile_table(profile: Sequence[tuple[str, float]], top: int) -> str:
+def profile_table(profile: Sequence[tuple[str, float]], top: int, total: float | None = None,
+                  digits: int = 1) -> str:
     """The ``top`` operations of `op_times` as a markdown table, with the share
-    of all operations' time.
+    of all operations' time (``total`` ms, when ``profile`` holds only some
+    of them), ms to ``digits`` decimals.
 
     Example:
       >>> print(profile_table([("concatenate_fusion", 30.0), ("ppermute.3", 10.0)], 1))
@@ -105,7 +107,8 @@ def profile_table(profile: Sequence[tuple[str, float]], top: int) -> str:
       |---|---:|---:|
       | concatenate_fusion | 30.0 | 75% |
     """
-    whole = sum(ms for _, ms in profile) or 1.0
+    whole = (sum(ms for _, ms in profile) if total is None else total) or 1.0
     rows = ["| operation | device ms / step | share |", "|---|---:|---:|"]
-    rows += [f"| {name} | {ms:.1f} | {100 * ms / whole:.0f}% |" for name, ms in profile[:top]]
+    rows += [f"| {name} | {ms:.{digits}f} | {100 * ms / whole:.0f}% |"
+             for name, ms in profile[:top]]
     return "\n".join(rows)
