@@ -10,7 +10,7 @@ pytree (blocks of four 512 x 512 attention matrices, a 512 x 2048 and a
 are abstract shapes: nothing is allocated unless ``--runs`` asks for step
 times. Methods:
 
-* ``powersgd``: rank 4, compressed from step 0 (``start_iter=0``), warm start;
+* ``powersgd``: rank 4, compressed from step 0 (``compress_after=0``), warm start;
 * ``allreduce-qsgd-4``, ``allreduce-onebit``: the compressed all-reduce
   transform with error feedback;
 * ``gradiveq``: 64-value slices at rank 8 (PCA compression and QSGD sampling
@@ -50,7 +50,7 @@ def transformation(method: str, axis: str):
 
     key = jax.random.key(0)
     if method == "powersgd":
-        return transforms.powersgd(axis, rank=4, key=key, start_iter=0)
+        return transforms.powersgd(axis, rank=4, key=key, compress_after=0)
     if method == "allreduce-qsgd-4":
         return transforms.compressed_all_reduce(axis, compressor=qc.qsgd(bits=4), key=key)
     if method == "allreduce-onebit":

@@ -63,8 +63,8 @@ def metered_step(dp: DataParallel, comm_tx, optimizer, state):
         metrics = {}
         paths = jax.tree_util.tree_leaves_with_path(g)
         treedef = jax.tree.structure(g)
-        old = treedef.flatten_up_to(s_comm.residual)
-        new = treedef.flatten_up_to(s_new.residual)
+        old = treedef.flatten_up_to(s_comm.feedback.residual)   # transforms.ResidualState
+        new = treedef.flatten_up_to(s_new.feedback.residual)
         for (path, gl), ul, r0, r1 in zip(paths, jax.tree.leaves(u), old, new, strict=True):
             if isinstance(r0, optax.MaskedNode):  # sent uncompressed
                 continue

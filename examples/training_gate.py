@@ -25,7 +25,7 @@ fails.
 at width 2048 with ``none`` and ``powersgd`` (12 steps), the MLP at width 64
 with every other compressor (40 steps) and the CNN with ``none``,
 ``qsgd-4``, ``powersgd`` and ``gradiveq`` (20 steps). PowerSGD runs 2
-uncompressed steps first, GradiVeQ 2 warm-up and 2 sampling steps. Its loss
+uncompressed steps first, GradiVeQ 2 lead-in and 2 sampling steps. Its loss
 verdict allows 1.6 times ``none``'s final loss: so early the 1-bit, adaptive
 and GradiVeQ runs still lag (up to about 1.4 times in 40 steps at width 64),
 and a diverging run ends far above.

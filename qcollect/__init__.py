@@ -19,7 +19,11 @@ collectives) and ``measure/`` (wire bytes and memory traffic read from the
 compiled program). docs/README.md has the map of the package and its pages.
 
 qcollect imports jax and numpy only; the optax layer is the `transforms`
-package, installed by the same distribution.
+package, installed by the same distribution. Importing it has no side
+effects: the one exit-time check of the package (a script that runs qcollect's
+collectives inside an ``srun`` or ``mpirun`` job without joining it says so
+at exit) is registered the first time one of its collectives is traced
+(`qcollect.launch.warn_unjoined_at_exit`).
 """
 
 from qcollect._payload import Compressor, Payload, payload_bytes
@@ -176,10 +180,4 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
-
-# A script that uses JAX inside an srun/mpirun job without joining it gets
-# one line at exit (`qcollect.launch.warn_unjoined_at_exit`).
-from qcollect.launch import warn_unjoined_at_exit as _warn_unjoined_at_exit  # noqa: E402
-
-_warn_unjoined_at_exit()
 

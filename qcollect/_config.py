@@ -1,7 +1,8 @@
-"""Validation of static compressor settings and encoder inputs.
+"""Validation of encoder inputs and per-leaf settings.
 
-The setting checks are `qcollect.checks`'s (one definition, re-exported here
-for the compressors); this module adds the checks of what ``encode`` receives.
+The checks of static settings (`check_choice`, `check_float`, `check_int`)
+are `qcollect.checks`'s, imported from there; this module holds the checks of
+what ``encode`` receives and the per-leaf spreading of a setting.
 """
 
 from __future__ import annotations
@@ -12,10 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from qcollect.checks import check_choice, check_float, check_int
-
-__all__ = ["check_choice", "check_float", "check_floating_input", "check_int", "per_leaf",
-           "require_key"]
+__all__ = ["check_floating_input", "per_leaf", "require_key"]
 
 
 def check_floating_input(x: jax.Array) -> None:

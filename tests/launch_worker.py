@@ -127,7 +127,8 @@ def compute(mesh) -> dict:
     for name, compressor in (("tx_identity", qc.identity()),
                              ("tx_qsgd4", qc.qsgd(bits=4, stochastic=False))):
         tx = transforms.compressed_all_reduce("d", compressor=compressor, key=key, mean=True,
-                                              algorithm="auto", error_feedback=True)
+                                              algorithm="auto",
+                                              error_feedback=transforms.residual_feedback())
         state = transforms.init_sharded(tx, {"w": jax.numpy.zeros(LENGTH)}, mesh, "d")
         specs = transforms.state_specs(state, "d")
 

@@ -139,14 +139,15 @@ def test_error_feedback_runs_once_per_optimizer_step_and_survives_a_bad_micro_ba
     params = _params()
     for t in range(K):
         params, state = step(params, state, _put(mesh, x[t]), _put(mesh, y[t]))
-        residuals = jax.tree.leaves(state.inner[0].residual)
+        residuals = jax.tree.leaves(state.inner[0].feedback.residual)
         encoded = any(float(jnp.abs(r).max()) > 0 for r in residuals)
         assert encoded == (t == K - 1), t
-    kept = [np.asarray(r) for r in jax.tree.leaves(state.inner[0].residual)]
+    kept = [np.asarray(r) for r in jax.tree.leaves(state.inner[0].feedback.residual)]
     bad_x = x.at[1, 0].set(jnp.nan)  # device 0's second micro-batch
     for t in range(K):
         _, state = step(params, state, _put(mesh, bad_x[t]), _put(mesh, y[t]))
-    for before, after in zip(kept, jax.tree.leaves(state.inner[0].residual), strict=True):
+    for before, after in zip(kept, jax.tree.leaves(state.inner[0].feedback.residual),
+                             strict=True):
         np.testing.assert_array_equal(before, np.asarray(after))  # the bad step left them
     assert all(float(jnp.abs(s).max()) == 0 for s in jax.tree.leaves(state.sums))
 
@@ -171,7 +172,7 @@ def test_state_specs_and_bad_settings():
     tx = transforms.accumulate(AXIS, inner=_chain(qc.onebit()), every=K)
     specs = transforms.state_specs(jax.eval_shape(tx.init, _params()), AXIS)
     assert all(s == P(AXIS) for s in jax.tree.leaves(specs.sums))
-    assert specs.micro_step == P() and specs.inner[0].residual["w"] == P(AXIS)
+    assert specs.micro_step == P() and specs.inner[0].feedback.residual["w"] == P(AXIS)
     for every in (0, 1.5, "4"):
         with pytest.raises(ValueError, match="every"):
             transforms.accumulate(AXIS, inner=optax.sgd(0.1), every=every)

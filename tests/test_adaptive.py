@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import qcollect as qc
 from qcollect.compressors._groups import bucket_groups, column_groups, sample_within_groups, to_view
-from tests.helpers import per_device
+from tests.helpers import normal, per_device
 
 EMPTY = 0xFFFFFFFF
 _JITTED = {}
@@ -169,7 +169,7 @@ def test_sampled_overflow_keeps_largest_and_fills_capacity():
 def test_sampled_needs_key_and_depends_on_it():
     c = qc.adaptive(8, sample=16)
     assert c.stochastic
-    x = jax.random.normal(jax.random.key(0), (64, 4))
+    x = normal(0, (64, 4))
     with pytest.raises(ValueError, match="key"):
         c.encode(x)
     a = roundtrip(c, x, jax.random.key(1))[1]
@@ -179,7 +179,7 @@ def test_sampled_needs_key_and_depends_on_it():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_dtypes(dtype):
-    x = jax.random.normal(jax.random.key(9), (37, 3)).astype(dtype)
+    x = normal(9, (37, 3)).astype(dtype)
     c = qc.adaptive(4)
     _, y = roundtrip(c, x)
     assert y.dtype == dtype and y.shape == (37, 3)
@@ -211,7 +211,7 @@ def test_non_finite_input_poisons_output(sample, coding):
 
 @pytest.mark.parametrize("sample", [None, 8])
 def test_golomb_coding_decodes_like_words(sample):
-    x = jax.random.normal(jax.random.key(4), (16, 3))  # the shapes of the test above
+    x = normal(4, (16, 3))  # the shapes of the test above
     a = roundtrip(qc.adaptive(4, sample=sample), x, jax.random.key(3))[1]
     b = roundtrip(qc.adaptive(4, sample=sample, coding="golomb_rice"), x, jax.random.key(3))[1]
     np.testing.assert_array_equal(a, b)
@@ -220,7 +220,7 @@ def test_golomb_coding_decodes_like_words(sample):
 
 def test_vmap_exact_matches_reference():
     c = qc.adaptive(4, grouping="bucket", bucket_size=16)
-    xs = jax.random.normal(jax.random.key(3), (3, 50))
+    xs = normal(3, (3, 50))
     ys = jax.jit(jax.vmap(lambda x: c.decode(c.encode(x))))(xs)
     for x, y in zip(np.asarray(xs), np.asarray(ys), strict=True):
         np.testing.assert_allclose(y, reference(x, 4.0, "bucket", 16)[0], rtol=1e-6)
@@ -228,7 +228,7 @@ def test_vmap_exact_matches_reference():
 
 def test_vmap_sampled_matches_per_example():
     c = qc.adaptive(4, sample=8)  # the compressor and shape of the tests above
-    xs = jax.random.normal(jax.random.key(3), (3, 16, 3))
+    xs = normal(3, (3, 16, 3))
     keys = jax.random.split(jax.random.key(5), 3)
     ys = jax.jit(jax.vmap(lambda x, k: c.decode(c.encode(x, k))))(xs, keys)
     for x, k, y in zip(xs, keys, ys, strict=True):
@@ -250,7 +250,7 @@ def test_bad_config_raises(kwargs, arg):
 def test_inside_shard_map(sample):
     # sample=1 with capacity_scale=1 overflows: the bisection runs per device.
     c = qc.adaptive(64, sample=sample, capacity_scale=1.0)
-    xs = jax.random.normal(jax.random.key(6), (2, 128, 8))
+    xs = normal(6, (2, 128, 8))
     keys = jax.random.split(jax.random.key(2), 2)
     ys = per_device(lambda x, k: c.decode(c.encode(x, k)), 2)(xs, keys)
     for x, k, y in zip(xs, keys, np.asarray(ys), strict=True):

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from qcollect.bench import _device_report, _profile, device
+from qcollect.bench import _device_lm, _device_report, _profile, device, device_timing
 from qcollect.bench.__main__ import BENCHMARKS
 from qcollect.bench.__main__ import main as bench_main
 from qcollect.bench.quantizers import COMPRESSORS
@@ -65,10 +65,42 @@ def test_a_row_per_compressor_with_rates_and_fractions_of_copy(written):
             r["round_trip_of_copy"] * r["round_trip_compiled_bytes"] / r["round_trip_bytes"])
 
 
+def test_targets_on_a_synthetic_result():
+    """Each target against figures worked out by hand: a round trip at or
+    above half the copy bandwidth meets it, a step at or below 1.10 times
+    none's meets it, the references (none, local) are no target, and a
+    compressor not measured is said so."""
+    rows = [{"all_reduce": "none", "overhead_vs_none": 1.0},
+            {"all_reduce": "local", "overhead_vs_none": 0.8},
+            {"all_reduce": "qsgd-4", "overhead_vs_none": 1.10},
+            {"all_reduce": "onebit", "overhead_vs_none": 1.25}]
+    r = {"compressors": [{"compressor": "identity", "round_trip_of_copy": 0.9},
+                         {"compressor": "qsgd-4 (bucket 512)", "round_trip_of_copy": 0.5},
+                         {"compressor": "onebit (bucket 64)", "round_trip_of_copy": 0.25}],
+         "lm": {"rows": rows}}
+    assert _device_report.targets(r) == [
+        {"target": "onebit (bucket 64) round trip >= 0.5 of copy", "value": 0.25, "met": False},
+        {"target": "qsgd-4 (bucket 512) round trip >= 0.5 of copy", "value": 0.5, "met": True},
+        {"target": "qsgd-4 step <= 1.10 x none", "value": 1.10, "met": True},
+        {"target": "onebit step <= 1.10 x none", "value": 1.25, "met": False}]
+    skipped = {"compressors": [{"compressor": "onebit (bucket 64)", "skipped": "budget"}],
+               "lm": {"rows": [], "skipped": "no examples folder"}}
+    assert _device_report.targets(skipped) == [
+        {"target": "onebit (bucket 64) round trip >= 0.5 of copy", "value": None, "met": None},
+        {"target": "qsgd-4 (bucket 512) round trip >= 0.5 of copy", "value": None, "met": None}]
+
+
 def test_targets_and_a_profile_for_each_miss(written):
     result, folder = written
     assert result["complete"] is True
-    assert result["targets"] == _device_report.targets(result)
+    # The targets read the rows' own figures: each round trip's fraction of the
+    # copy bandwidth against 0.5, qsgd-4's step over none's against 1.10.
+    codecs = {c["compressor"]: c["round_trip_of_copy"] for c in result["compressors"]}
+    step = {r["all_reduce"]: r["overhead_vs_none"] for r in result["lm"]["rows"]}["qsgd-4"]
+    values = [codecs["onebit (bucket 64)"], codecs["qsgd-4 (bucket 512)"], step]
+    assert [t["value"] for t in result["targets"]] == values
+    assert [t["met"] for t in result["targets"]] == [
+        values[0] >= 0.5, values[1] >= 0.5, step <= 1.10]
     names = [t["target"] for t in result["targets"]]
     assert names == [f"{c} round trip >= 0.5 of copy" for c in _device_report.ROUND_TRIP_TARGETS
                      ] + ["qsgd-4 step <= 1.10 x none"]
@@ -110,10 +142,21 @@ def test_network_rows_over_several_devices():
 
 
 def test_lm_names_are_one_compressor_all_reduces():
-    device._examples()
-    names = device.lm_names()
+    """The example program's ``--list``: none, local, the targets' two first;
+    no name that runs another transform, plan or phases."""
+    names = _device_lm.lm_names()
     assert names[:4] == ["none", "local", "qsgd-4", "onebit"]
-    assert not set(names) & set(device.OTHER_TRANSFORMS)
+    assert not set(names) & {"entropy", "powersgd", "gradiveq"}
+
+
+def test_without_an_examples_folder_the_model_part_is_skipped(monkeypatch, tmp_path):
+    monkeypatch.setenv("QCOLLECT_EXAMPLES", str(tmp_path))  # a folder without the programs
+    assert _device_lm.lm_names() == []
+    part = _device_lm.lm_part({"width": 32}, ["none"], device_timing.Clock(60.0), lambda line: None,
+                              repeats=1, calls=1, profile_top=0)
+    assert part["rows"] == [] and part["setting"] == {"width": 32}
+    assert part["skipped"].startswith("no examples folder: ")
+    assert "Skipped: no examples folder" in _device_report._lm_table(part)[0]
 
 
 def test_a_spent_budget_skips_the_rest_and_says_so(tmp_path):

@@ -107,7 +107,12 @@ def test_the_batch_computes_what_the_unrolled_program_computes(compressor, algor
     assert len(jax.tree.leaves(batch)) == len(tree) * (3 if algorithm == "pairwise" else 2)
 
 
-@pytest.mark.parametrize("compressor", [qc.onebit(), qc.qsgd(bits=4)], ids=["onebit", "qsgd"])
+# QSGD at layer size under -m slow: the batch's layout does not depend on the
+# compressor (one-bit's here), and QSGD's batch against its traced program
+# runs on the small trees above (its random streams in the test below).
+@pytest.mark.parametrize("compressor", [
+    pytest.param(qc.onebit(), id="onebit"),
+    pytest.param(qc.qsgd(bits=4), id="qsgd", marks=pytest.mark.slow)])
 def test_the_batch_of_layer_sized_leaves_computes_what_the_traced_program_computes(compressor):
     """The MNIST MLP's gradient at width 2048 on 4 devices with the default
     4 MiB buckets: its two (2048, 2048) kernels (scales 100x apart) are one

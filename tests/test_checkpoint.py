@@ -62,11 +62,15 @@ def _trainer(tx, mesh, state):
 TRANSFORMS = {
     "allreduce-pairwise": lambda: transforms.compressed_all_reduce(
         AXIS, compressor=qc.onebit(), key=jax.random.key(0), algorithm="pairwise", min_size=64),
-    "powersgd": lambda: transforms.powersgd(AXIS, rank=2, key=jax.random.key(0), start_iter=2),
+    "powersgd": lambda: transforms.powersgd(AXIS, rank=2, key=jax.random.key(0), compress_after=2),
     "gradiveq": lambda: transforms.gradiveq(
         AXIS, key=jax.random.key(0), slice_size=16, rank=4, warmup_steps=1, sample_steps=2,
         compressed_steps=3),
-    # 1-bit Adam's recipe: saved after the warm-up and the freeze (step 2)
+    # EF21-SGDM: per-device estimates and momenta, a replicated estimate
+    "allreduce-ef21-momentum": lambda: transforms.compressed_all_reduce(
+        AXIS, compressor=qc.onebit(), key=jax.random.key(0),
+        error_feedback=transforms.ef21(momentum=0.9), min_size=64),
+    # 1-bit Adam's recipe: saved after the exact steps and the freeze (step 2)
     "onebit-adam": lambda: transforms.compressed_all_reduce(
         AXIS, compressor=qc.onebit(), key=jax.random.key(0), compress_after=2),
 }

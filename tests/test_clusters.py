@@ -22,7 +22,8 @@ import time
 
 import pytest
 
-from qcollect.launch import _cluster, _runner
+from qcollect import _cluster
+from qcollect.launch import _runner
 
 HERE = pathlib.Path(__file__).resolve().parent
 WORKER = str(HERE / "launch_worker.py")
@@ -184,19 +185,60 @@ def _alive(pid: int) -> bool:
     return not (stat.exists() and stat.read_text().split(") ")[-1].startswith("Z"))
 
 
+#: A script that runs a qcollect collective without `initialize` (its argument:
+#: ``ring`` for `qc.ring_all_reduce`, ``psum`` for `qc.fused_psum`, ``none`` for
+#: JAX alone), printing the process count and the sum.
+ALONE = """\
+import sys
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+import qcollect as qc
+mesh = jax.make_mesh((1,), ("d",))
+reduce = {"ring": qc.ring_all_reduce, "psum": qc.fused_psum, "none": jax.lax.psum}[sys.argv[1]]
+f = jax.shard_map(lambda v: reduce(v, "d"), mesh=mesh, in_specs=P("d"), out_specs=P())
+x = jax.device_put(jnp.ones(4), NamedSharding(mesh, P("d")))
+print(jax.process_count(), f(x).tolist(), flush=True)
+"""
+
+
+def _check_never_joined(proc: subprocess.CompletedProcess, ranks: int) -> None:
+    """``ranks`` ranks of a 2-process ``ompi`` job ran alone, exited 0 and
+    said so in one line each."""
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if "never joined" in ln]
+    assert len(lines) == ranks and "ompi job, process 0 of 2" in proc.stderr, proc.stderr
+    assert "call qcollect.launch.initialize()" in lines[0]
+
+
+@pytest.mark.parametrize("reduce", ["ring", "psum"])
+def test_a_rank_that_runs_a_collective_without_joining_says_so(tmp_path, reduce):
+    """One rank of an ``mpirun -np 2`` job (its environment, without mpirun):
+    the first qcollect collective traced registers the exit-time line; JAX's
+    own collective alone, or ``import qcollect``, registers nothing."""
+    script = tmp_path / "alone.py"
+    script.write_text(ALONE)
+    rank = _clean_env(OMPI_MCA_orte_hnp_uri="1851392000.0;tcp://10.0.0.1:40731",
+                      OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_RANK="0")
+    proc = subprocess.run([sys.executable, str(script), reduce], env=rank, capture_output=True,
+                          text=True, timeout=120, check=False)
+    _check_never_joined(proc, 1)
+    assert proc.stdout.split()[0] == "1"
+    quiet = subprocess.run([sys.executable, str(script), "none"], env=rank, capture_output=True,
+                           text=True, timeout=120, check=True)
+    assert "never joined" not in quiet.stderr, quiet.stderr
+
+
 @pytest.mark.skipif(_mpirun_missing() is not None, reason=str(_mpirun_missing()))
 def test_a_script_that_never_joins_the_mpirun_job_says_so(tmp_path):
-    """A script that imports qcollect and uses JAX without `initialize` under
+    """A script that runs a qcollect collective without `initialize` under
     mpirun: each rank runs alone, as asked, but says so in one line at exit
     (before: two lone runs, exit 0, not a word)."""
     script = tmp_path / "alone.py"
-    script.write_text("import qcollect, jax\nprint(jax.process_count(), flush=True)\n")
-    proc = subprocess.run([*MPIRUN, "-np", "2", sys.executable, str(script)], env=_clean_env(),
-                          capture_output=True, text=True, timeout=180, check=False)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if "never joined" in ln]
-    assert len(lines) == 2 and "ompi job, process 0 of 2" in proc.stderr, proc.stderr
-    assert "call qcollect.launch.initialize()" in lines[0]
+    script.write_text(ALONE)
+    proc = subprocess.run([*MPIRUN, "-np", "2", sys.executable, str(script), "ring"],
+                          env=_clean_env(), capture_output=True, text=True, timeout=180,
+                          check=False)
+    _check_never_joined(proc, 2)
 
 
 @pytest.mark.skipif(_mpirun_missing() is not None, reason=str(_mpirun_missing()))

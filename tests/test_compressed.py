@@ -26,23 +26,41 @@ def _keys(n, seed=0):
     return jnp.stack([jax.random.key(seed)] * n)
 
 
+def _normal(seed, shape):
+    """Standard normal float32 values: NumPy's draws (a `jax.random` draw compiles
+    a program per shape)."""
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, dtype=np.float32))
+
+
+def _covering(cases, sizes, default):
+    """``pytest.param(*case, n, id=f"{name}-{n}")`` for every ``name: case``
+    of ``cases`` and device count ``n`` of ``sizes``, in that order: the
+    counts ``default[name]`` run by default, the rest of the cross product
+    under ``-m slow``. The defaults take every case and every count at least
+    once; another count runs the same code."""
+    assert set(default) == set(cases) and set(sizes) == {n for c in default.values() for n in c}
+    return [pytest.param(*case, n, id=f"{name}-{n}",
+                         marks=() if n in default[name] else pytest.mark.slow)
+            for name, case in cases.items() for n in sizes]
+
+
 @settings(max_examples=12)  # a compile per example
 @given(n=st.sampled_from([1, 2, 3, 4, 8]), length=st.integers(1, 200),
        algorithm=st.sampled_from(qc.ALGORITHMS), seed=st.integers(0, 99))
 def test_identity_equals_psum(n, length, algorithm, seed):
-    x = jax.random.normal(jax.random.key(seed), (n, length))
+    x = _normal(seed, (n, length))
     out = _reduce(n, qc.identity(), algorithm)(x, _keys(n))
-    want = per_device(lambda v: lax.psum(v, "d"), n)(x)
-    np.testing.assert_allclose(np.asarray(out.value), np.asarray(want), rtol=1e-5, atol=1e-5)
+    want = np.broadcast_to(np.asarray(x, np.float64).sum(0), x.shape)  # lax.psum's, per device
+    np.testing.assert_allclose(np.asarray(out.value), want, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(out.contributed), np.asarray(x))
 
 
 @pytest.mark.parametrize("algorithm", qc.ALGORITHMS)
 def test_identity_pytree_mean_fused_and_separate(algorithm):
     n = 4
-    tree = {"w": jax.random.normal(jax.random.key(0), (n, 5, 3)),
-            "b": jax.random.normal(jax.random.key(1), (n, 7)).astype(jnp.bfloat16),
-            "s": jax.random.normal(jax.random.key(2), (n,))}
+    tree = {"w": _normal(0, (n, 5, 3)),
+            "b": _normal(1, (n, 7)).astype(jnp.bfloat16),
+            "s": _normal(2, (n,))}
     for fuse in (True, False):
         out = _reduce(n, qc.identity(), algorithm, mean=True, fuse=fuse)(tree, _keys(n))
         for name, leaf in tree.items():
@@ -58,7 +76,7 @@ def test_identity_pytree_mean_fused_and_separate(algorithm):
                          ids=lambda c: c.name)
 def test_replicas_agree(algorithm, compressor):
     n = 4
-    x = jax.random.normal(jax.random.key(3), (n, 333))
+    x = _normal(3, (n, 333))
     value = np.asarray(_reduce(n, compressor, algorithm)(x, _keys(n)).value)
     for i in range(1, n):
         np.testing.assert_array_equal(value[i], value[0])
@@ -66,7 +84,7 @@ def test_replicas_agree(algorithm, compressor):
 
 def test_qsgd_pairwise_is_unbiased():
     n, length, draws = 4, 64, 300
-    x = jax.random.normal(jax.random.key(4), (n, length))
+    x = _normal(4, (n, length))
     run = _reduce(n, qc.qsgd(bits=2, bucket_size=16), "pairwise")
     values = np.stack([np.asarray(run(x, _keys(n, seed)).value)[0] for seed in range(draws)])
     want = np.asarray(x).sum(0)
@@ -75,11 +93,12 @@ def test_qsgd_pairwise_is_unbiased():
     assert np.abs(values[0] - want).max() > 0.01  # each draw is lossy
 
 
-@pytest.mark.parametrize("n", [2, 3, 8])
-@pytest.mark.parametrize("compressor", [qc.qsgd(bits=4), qc.onebit()], ids=lambda c: c.name)
+@pytest.mark.parametrize("compressor, n", _covering(
+    {c.name: (c,) for c in (qc.qsgd(bits=4), qc.onebit())}, [2, 3, 8],
+    {"qsgd/b4/512/max": (3,), "onebit/bucket/64": (2, 8)}))
 def test_pairwise_error_feedback_identity(n, compressor):
     """sum of contributions == value + sum of owner errors (nothing is lost)."""
-    x = jax.random.normal(jax.random.key(5), (n, 1000))
+    x = _normal(5, (n, 1000))
     out = _reduce(n, compressor, "pairwise")(x, _keys(n))
     lhs = np.asarray(out.contributed, np.float64).sum(0)
     rhs = np.asarray(out.value, np.float64)[0] + np.asarray(out.owner_error, np.float64).sum(0)
@@ -98,7 +117,7 @@ def test_pairwise_error_feedback_identity(n, compressor):
 
 def test_owner_residual_is_fed_back():
     n = 4
-    x = jax.random.normal(jax.random.key(6), (n, 100))
+    x = _normal(6, (n, 100))
     c = qc.qsgd(bits=8, stochastic=False)
     residual = jnp.zeros((n, 100)).at[:, :].set(0.25)
     run = per_device(lambda v, r: qc.compressed_all_reduce(
@@ -113,15 +132,15 @@ def test_owner_residual_is_fed_back():
 def test_pca_ring_equals_decoded_psum_of_encodings(n):
     k, d = 16, 4
     length = k * 3 * n  # whole slices per device chunk, as GradiVeQ's segments
-    basis, _ = jnp.linalg.qr(jax.random.normal(jax.random.key(7), (k, d)))
-    mean = jax.random.normal(jax.random.key(8), (k,))
+    basis, _ = jnp.linalg.qr(_normal(7, (k, d)))
+    mean = _normal(8, (k,))
     c = qc.pca(basis, mean, num_workers=n)
-    x = jax.random.normal(jax.random.key(9), (n, length))
+    x = _normal(9, (n, length))
     ring = _reduce(n, c, "ring")(x, _keys(n)).value
     want = per_device(lambda v: c.decode(lax.psum(c.encode(v), "d")), n)(x)
     np.testing.assert_allclose(np.asarray(ring), np.asarray(want), rtol=1e-4, atol=1e-4)
     # A ragged length still works; only the padded last slice is compressed differently.
-    ragged = jax.random.normal(jax.random.key(9), (n, length + 5))
+    ragged = _normal(9, (n, length + 5))
     out = np.asarray(_reduce(n, c, "ring")(ragged, _keys(n)).value)
     want = np.asarray(per_device(lambda v: c.decode(lax.psum(c.encode(v), "d")), n)(ragged))
     np.testing.assert_allclose(out[:, :length - k], want[:, :length - k], rtol=1e-4, atol=1e-4)
@@ -130,9 +149,9 @@ def test_pca_ring_equals_decoded_psum_of_encodings(n):
 @pytest.mark.parametrize("algorithm", ["pairwise", "ring_requantize"])
 def test_pca_requantizing_algorithms_exact_in_span(algorithm):
     n, k, d = 4, 16, 4
-    basis, _ = jnp.linalg.qr(jax.random.normal(jax.random.key(7), (k, d)))
+    basis, _ = jnp.linalg.qr(_normal(7, (k, d)))
     c = qc.pca(basis, jnp.zeros(k), num_workers=n)  # a mean: the payload carries a weight
-    coeffs = jax.random.normal(jax.random.key(11), (n, 6 * n, d))
+    coeffs = _normal(11, (n, 6 * n, d))
     x = (coeffs @ basis.T).reshape(n, -1)  # every slice in the span of the basis
     out = np.asarray(_reduce(n, c, algorithm)(x, _keys(n)).value)
     np.testing.assert_allclose(out, np.broadcast_to(np.asarray(x).sum(0), out.shape),
@@ -142,13 +161,13 @@ def test_pca_requantizing_algorithms_exact_in_span(algorithm):
 def test_ring_requantize_error_grows_with_devices():
     c, errs = qc.qsgd(bits=4), {}
     for n in (2, 8):
-        x = jax.random.normal(jax.random.key(10), (n, 4096))
+        x = _normal(10, (n, 4096))
         value = np.asarray(_reduce(n, c, "ring_requantize")(x, _keys(n)).value)[0]
         want = np.asarray(x).sum(0)
         errs[n] = np.linalg.norm(value - want) / np.linalg.norm(want)
     pair = {}
     for n in (2, 8):
-        x = jax.random.normal(jax.random.key(10), (n, 4096))
+        x = _normal(10, (n, 4096))
         value = np.asarray(_reduce(n, c, "pairwise")(x, _keys(n)).value)[0]
         want = np.asarray(x).sum(0)
         pair[n] = np.linalg.norm(value - want) / np.linalg.norm(want)
@@ -188,9 +207,8 @@ def test_pipeline_pieces_give_the_same_reduction(compressor, algorithm):
     owner errors; a count above a chunk's groups is capped. A tree of odd sizes, one
     bfloat16 leaf."""
     n = 3
-    keys = jax.random.split(jax.random.key(7), 3)
-    x = {"w": jax.random.normal(keys[0], (n, 301, 7)), "b": jax.random.normal(keys[1], (n, 5)),
-         "h": jax.random.normal(keys[2], (n, 1000)).astype(jnp.bfloat16)}
+    x = {"w": _normal((7, 0), (n, 301, 7)), "b": _normal((7, 1), (n, 5)),
+         "h": _normal((7, 2), (n, 1000)).astype(jnp.bfloat16)}
     pipelines = (1, 2, 64)
 
     def reductions(x, key):  # one program: the unpipelined reference and the pipelines
@@ -220,19 +238,22 @@ EXCHANGED = [(qc.identity(), "ring"), (qc.cast("bfloat16"), "ring"),
              (qc.onebit(grouping="column"), "pairwise"), (qc.cast("bfloat16"), "pairwise")]
 
 
-@pytest.mark.parametrize("n", [2, 3, 8])
-@pytest.mark.parametrize("compressor, algorithm", EXCHANGED,
-                         ids=lambda v: getattr(v, "name", v))
+# The ring (sums in another order) at an odd and the largest count; every
+# other pair once, each count in turn.
+@pytest.mark.parametrize("compressor, algorithm, n", _covering(
+    {f"{c.name}-{a}": (c, a) for c, a in EXCHANGED}, [2, 3, 8],
+    {"identity-ring": (3, 8), "cast/bfloat16-ring": (2,), "onebit/bucket/64-pairwise": (8,),
+     "qsgd/b4/512/max-pairwise": (2,), "onebit/column-pairwise": (3,),
+     "cast/bfloat16-pairwise": (3,)}))
 def test_all_to_all_exchange_gives_the_permute_reduction(n, compressor, algorithm):
     """exchange="all_to_all" moves the payloads of the ring and pairwise algorithms in
     one all-to-all: pairwise gives bit for bit the values, contributions and owner
     errors of the N - 1 shifts (the owner adds the same payloads in the same order);
     the ring adds its payloads at the owner, so only the order of its sums differs.
     A tree of odd sizes, a bfloat16 and an empty leaf."""
-    keys = jax.random.split(jax.random.key(3), 3)
-    x = {"w": jax.random.normal(keys[0], (n, 301, 7)),
-         "b": 10.0 * jax.random.normal(keys[1], (n, 5)),
-         "h": jax.random.normal(keys[2], (n, 1000)).astype(jnp.bfloat16),
+    x = {"w": _normal((3, 0), (n, 301, 7)),
+         "b": 10.0 * _normal((3, 1), (n, 5)),
+         "h": _normal((3, 2), (n, 1000)).astype(jnp.bfloat16),
          "e": jnp.zeros((n, 0))}
 
     def reductions(x, key):  # one program, both exchanges
@@ -307,21 +328,25 @@ def test_pipeline_cuts_the_collectives_not_the_bytes():
 
 def test_under_pmap():
     n = 4
-    x = jax.random.normal(jax.random.key(11), (n, 50))
+    x = _normal(11, (n, 50))
     out = jax.pmap(lambda v: qc.compressed_all_reduce(v, "i", qc.identity(),
                                                       algorithm="pairwise").value,
                    axis_name="i", devices=jax.devices()[:n])(x)
     np.testing.assert_allclose(np.asarray(out)[2], np.asarray(x).sum(0), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("n", [1, 3, 4])
-@pytest.mark.parametrize("compressor, algorithm", [
-    (qc.identity(), "ring"), (qc.cast("bfloat16"), "ring"), (qc.qsgd(bits=4), "pairwise"),
-    (qc.onebit(), "ring_requantize")], ids=["identity", "bf16", "qsgd4", "onebit-requantize"])
+INVARIANT = {"identity": (qc.identity(), "ring"), "bf16": (qc.cast("bfloat16"), "ring"),
+             "qsgd4": (qc.qsgd(bits=4), "pairwise"),
+             "onebit-requantize": (qc.onebit(), "ring_requantize")}
+
+
+@pytest.mark.parametrize("compressor, algorithm, n", _covering(
+    INVARIANT, [1, 3, 4],
+    {"identity": (1, 4), "bf16": (3,), "qsgd4": (4,), "onebit-requantize": (3,)}))
 def test_results_are_invariant_and_leave_shard_map_replicated(n, compressor, algorithm):
     """value and ring_all_reduce are typed invariant: out_specs=P() holds them."""
     mesh = jax.make_mesh((n,), ("d",), devices=jax.devices()[:n])
-    tree = {"odd": jax.random.normal(jax.random.key(0), (n * 7, 5)),
+    tree = {"odd": _normal(0, (n * 7, 5)),
             "half": jnp.ones((n * 3,), jnp.bfloat16), "empty": jnp.zeros((0,))}
     tree = jax.device_put(tree, NamedSharding(mesh, P("d")))
 

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
+from tests.helpers import normal
 
 COMPRESSORS = {
     "identity": qc.identity,
@@ -38,7 +39,7 @@ COMPRESSORS = {
                                                    sample=16),
     "entropy": lambda: qc.entropy(),
     "entropy_raw": lambda: qc.entropy(huffman=False, sample_fraction=1.0),
-    "pca": lambda: qc.pca(jnp.linalg.qr(jax.random.normal(jax.random.key(0), (8, 3)))[0],
+    "pca": lambda: qc.pca(jnp.linalg.qr(normal(0, (8, 3)))[0],
                           num_workers=2),  # affine with a mean; see test_pca
 }
 COMPRESSING = [n for n in COMPRESSORS if n != "identity"]
@@ -66,7 +67,7 @@ POISONS = [(np.nan, 0), (np.inf, 500), (-np.inf, 999), (np.nan, 999)]
 
 
 def _poisoned(bad, where):
-    x = np.array(jax.random.normal(jax.random.key(2), (1000,)))
+    x = np.array(normal(2, (1000,)))
     x[where] = bad
     return jnp.asarray(x)
 
@@ -77,7 +78,7 @@ def test_shapes_dtypes_zeros_and_non_finite_inputs(name):
     dtype, finite and within the input's range; all-zero inputs decode to zeros; a
     NaN or an Inf anywhere is never decoded to an all-finite answer."""
     c = COMPRESSORS[name]()
-    xs = [jax.random.normal(jax.random.key(1), shape, jnp.float32).astype(dtype)
+    xs = [normal(1, shape, jnp.float32).astype(dtype)
           for shape, dtype in CASES]
     zeros = [jnp.zeros(s) for s in ZERO_SHAPES]
     poisoned = [_poisoned(bad, where) for bad, where in POISONS]
@@ -99,7 +100,7 @@ def test_shapes_dtypes_zeros_and_non_finite_inputs(name):
 @pytest.mark.parametrize("name", COMPRESSING)
 def test_payload_is_smaller_than_input(name):
     """Payload shapes are static (`test_payload_bytes_is_static`): no need to run it."""
-    x = jax.random.normal(jax.random.key(3), (4096,))
+    x = normal(3, (4096,))
     payload = jax.eval_shape(COMPRESSORS[name]().encode, x, jax.random.key(0))
     assert qc.payload_bytes(payload) < x.nbytes
 
@@ -115,7 +116,7 @@ def test_payload_bytes_is_static(name):
 @pytest.mark.parametrize("name", COMPRESSORS)
 def test_vmap_matches_per_example(name):
     c = COMPRESSORS[name]()
-    xs = jax.random.normal(jax.random.key(4), (3, 50))
+    xs = normal(4, (3, 50))
     keys = jax.random.split(jax.random.key(5), 3)
     one = lambda x, k: c.decode(c.encode(x, k))  # noqa: E731
     # One program: the vmapped batch and each example alone.
@@ -129,7 +130,7 @@ def test_vmap_matches_per_example(name):
 @pytest.mark.parametrize("name", COMPRESSORS)
 def test_payload_through_cond(name):
     c = COMPRESSORS[name]()
-    x = jax.random.normal(jax.random.key(6), (100,))
+    x = normal(6, (100,))
 
     @jax.jit
     def f(x, flag):  # through the cond, and decoded directly
@@ -147,7 +148,7 @@ def test_payload_through_ppermute(name):
     c = COMPRESSORS[name]()
     n = 4
     mesh = jax.make_mesh((n,), ("d",), devices=jax.devices()[:n])
-    xs = jax.random.normal(jax.random.key(7), (n, 37))
+    xs = normal(7, (n, 37))
     keys = jax.random.split(jax.random.key(8), n)
 
     @jax.jit
@@ -189,7 +190,7 @@ def test_integer_input_is_rejected(name):
 @settings(max_examples=10)  # a compile per example and compressor
 @given(length=st.integers(0, 2000), seed=st.integers(0, 2**16))
 def test_linear_compressors_commute_with_sum(length, seed):
-    xs = jax.random.normal(jax.random.key(seed), (3, length))
+    xs = normal(seed, (3, length))
     for c in (qc.identity(), qc.cast(jnp.bfloat16)):
         payloads = [c.encode(x) for x in xs]
         summed = jax.tree.map(lambda *leaves: sum(leaves), *payloads)
@@ -221,7 +222,7 @@ def test_round_trip_is_encode_then_decode(name):
     c = COMPRESSORS[name]()
     xs = []
     for shape, dtype, poison in ROUND_TRIP_CASES:
-        x = jax.random.normal(jax.random.key(3), shape, jnp.float32)
+        x = normal(3, shape, jnp.float32)
         if poison:
             x = x.at[(0,) * x.ndim].set(jnp.nan)
         xs.append(x.astype(dtype))
@@ -239,7 +240,7 @@ def test_round_trip_is_encode_then_decode(name):
                                qc.qsgd(bits=8, norm="l2")], ids=lambda c: c.name)
 def test_fused_round_trip_with_padding_counts(c):
     """The fused path with ``valid=`` counts (a collective's partial groups)."""
-    x = jax.random.normal(jax.random.key(5), (6, 128))
+    x = normal(5, (6, 128))
     kwargs = {}
     if c.grouping == "column":  # 128 columns of 6 rows; the last has 3 real ones
         kwargs["valid"] = jnp.full((128,), 6, jnp.int32).at[-1].set(3)

@@ -1,7 +1,10 @@
 """transforms.compressed_all_reduce with EF21 (and EF21-SGDM) error feedback and
 zero-gradient row masks: the estimator's invariants, convergence, state, bytes."""
 
+import dataclasses
 import functools
+import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +33,11 @@ def _grads(seed, n=N):
 
 def _template():
     return {k: jnp.zeros(s) for k, s in SHAPES.items()}
+
+
+#: The two strategies by name, for tests that run both.
+FEEDBACK = {"residual": transforms.residual_feedback(), "ef21": transforms.ef21()}
+EF21 = transforms.ef21()
 
 
 def _tx(compressor=None, axis_name="d", **kwargs):
@@ -80,8 +88,11 @@ def _values(update, state):
 
 
 def _field(state, name, leaf):
-    """A state field's leaf on the host (float64), or None where it is masked."""
-    value = getattr(state, name)[leaf]
+    """A field of the state's error feedback at a leaf, on the host (float64),
+    or None where it is masked or the strategy keeps no such field."""
+    if name not in state.feedback._fields:
+        return None
+    value = getattr(state.feedback, name)[leaf]
     return None if isinstance(value, optax.MaskedNode) else np.asarray(value, np.float64)
 
 
@@ -91,14 +102,14 @@ def test_an_exact_compressor_gives_the_exact_mean(algorithm, mean):
     """With the identity compressor (linear: the compressed-domain ring, or
     pairwise) every step's update is the mean (or sum), and the estimates
     are the gradients: g_i = grad_i, g = their mean."""
-    tx = _tx(qc.identity(), error_feedback="ef21", mean=mean, algorithm=algorithm)
+    tx = _tx(qc.identity(), error_feedback=EF21, mean=mean, algorithm=algorithm)
     for t, (update, state) in enumerate(_steps(tx, _grads, 3)):
         for k, g in _grads(t).items():
             want = g.mean(0) if mean else g.sum(0)
             tol = 1e-5 * SCALES[k] * (1 if mean else N)
             np.testing.assert_allclose(update[k], want, rtol=1e-5, atol=tol)
             np.testing.assert_allclose(_field(state, "estimate", k), want, rtol=1e-5, atol=tol)
-            np.testing.assert_allclose(_field(state, "residual", k), g, rtol=1e-5,
+            np.testing.assert_allclose(_field(state, "local_estimate", k), g, rtol=1e-5,
                                        atol=1e-6 * SCALES[k])
             owner = _field(state, "owner_residual", k)
             if algorithm == "auto":
@@ -122,13 +133,13 @@ def test_the_estimate_is_the_mean_of_the_devices_estimates(name):
     term, and does not grow over 30 steps."""
     compressor, algorithm, hierarchical = INVARIANT[name]
     tx = _tx(compressor, axis_name=AXES if hierarchical else "d", algorithm=algorithm,
-             error_feedback="ef21")
+             error_feedback=EF21)
     steps = (_hierarchical_steps if hierarchical else _steps)(tx, _grads, 30)
     gaps = []
     for update, state in steps:
         gap = 0.0
         for k in SHAPES:
-            g, g_i = _field(state, "estimate", k), _field(state, "residual", k)
+            g, g_i = _field(state, "estimate", k), _field(state, "local_estimate", k)
             owner = _field(state, "owner_residual", k)
             assert owner is not None     # pairwise: the owner's error is kept
             np.testing.assert_allclose(g, g_i.mean(0) - owner.sum(0) / N, rtol=1e-4,
@@ -146,8 +157,8 @@ def test_constant_gradients_are_learned_geometrically():
     fixed = _grads(0)
     for compressor in (qc.onebit(), qc.onebit(bucket_size=8)):
         errors = {}
-        for mode in ("ef21", "residual"):
-            runs = _steps(_tx(compressor, error_feedback=mode), lambda t: fixed, 40)
+        for mode, feedback in FEEDBACK.items():
+            runs = _steps(_tx(compressor, error_feedback=feedback), lambda t: fixed, 40)
             errors[mode] = [max(np.abs(u[k] - fixed[k].mean(0)).max() / SCALES[k]
                                 for k in SHAPES) for u, _ in runs]
             assert np.isfinite(errors[mode]).all()
@@ -163,8 +174,8 @@ def test_momentum_follows_its_recursion():
     eta = 0.3
     for compressor in (qc.identity(), qc.onebit()):
         v = None
-        for t, (update, state) in enumerate(_steps(_tx(compressor, error_feedback="ef21",
-                                                       ef21_momentum=eta), _grads, 4)):
+        tx = _tx(compressor, error_feedback=transforms.ef21(momentum=eta))
+        for t, (update, state) in enumerate(_steps(tx, _grads, 4)):
             g = _host(_grads(t))
             v = g if v is None else jax.tree.map(lambda a, b: (1 - eta) * a + eta * b, v, g)
             for k in SHAPES:
@@ -175,16 +186,16 @@ def test_momentum_follows_its_recursion():
                                                atol=1e-6 * SCALES[k])
 
 
-def test_warm_up_starts_from_the_full_gradient():
-    """compress_after: the warm-up steps send the exact mean and set g_i to
+def test_exact_steps_first_start_from_the_full_gradient():
+    """compress_after: the exact steps send the exact mean and set g_i to
     each device's gradient and g to the mean; the first compressed step
     starts from there."""
-    runs = _steps(_tx(error_feedback="ef21", compress_after=2), _grads, 3)
+    runs = _steps(_tx(error_feedback=EF21, compress_after=2), _grads, 3)
     for t in range(2):
         update, state = runs[t]
         for k, g in _grads(t).items():
             np.testing.assert_allclose(update[k], g.mean(0), rtol=1e-5, atol=1e-6 * SCALES[k])
-            np.testing.assert_array_equal(_field(state, "residual", k), g)
+            np.testing.assert_array_equal(_field(state, "local_estimate", k), g)
             np.testing.assert_allclose(_field(state, "estimate", k), g.mean(0), rtol=1e-6,
                                        atol=1e-7 * SCALES[k])
     update, state = runs[2]
@@ -222,46 +233,93 @@ def test_least_squares_trains_to_the_exact_loss(name):
     docs/transforms.md, "Error feedback: residual or EF21")."""
     compressor, eta = TRAINING[name]
     exact = _least_squares(_tx(qc.identity()))
-    ours = _least_squares(_tx(compressor, error_feedback="ef21", ef21_momentum=eta))
+    ours = _least_squares(_tx(compressor, error_feedback=transforms.ef21(momentum=eta)))
     assert ours[-1] < 1e-3 * ours[0]
     assert ours[-1] <= 1.05 * exact[-1], (ours[-1], exact[-1])
 
 
 def test_settings_are_checked():
-    for bad in ("ef", "EF21", 1, None, "residuals"):
-        with pytest.raises(ValueError, match="error_feedback"):
+    for bad in ("ef", "EF21", 1, "residuals", qc.onebit(), transforms.EF21State):
+        with pytest.raises(ValueError, match=r"error_feedback must be transforms\."
+                           r"residual_feedback\(\), transforms\.ef21\(\.\.\.\) or None"):
             _tx(error_feedback=bad)
-    for bad in (0, 0.0, -0.1, 1.5, float("nan"), True, "0.5"):
-        with pytest.raises(ValueError, match="ef21_momentum"):
-            _tx(error_feedback="ef21", ef21_momentum=bad)
-    for mode in (True, False, "residual", "none"):
-        with pytest.raises(ValueError, match="ef21_momentum.*error_feedback='ef21'"):
-            _tx(error_feedback=mode, ef21_momentum=0.5)
-    with pytest.raises(ValueError, match="error_feedback='ef21'.*ring_requantize"):
-        _tx(error_feedback="ef21", algorithm="ring_requantize")
+    for bad in (0, 0.0, -0.1, 1.5, 2.0, float("nan"), True, "0.5"):
+        with pytest.raises(ValueError, match=r"^momentum must be"):
+            transforms.ef21(momentum=bad)
+    with pytest.raises(ValueError, match=r"error_feedback=transforms\.ef21\(\).*ring_requantize"):
+        _tx(error_feedback=EF21, algorithm="ring_requantize")
     for bad in (1, "yes", None):
         with pytest.raises(ValueError, match="mask_zero_rows"):
             _tx(mask_zero_rows=bad)
-    _tx(error_feedback="ef21", ef21_momentum=1)    # eta = 1: no averaging
+    _tx(error_feedback=transforms.ef21(momentum=1))    # eta = 1: no averaging
+
+
+def test_strategies_are_values():
+    """Like compressors: equal settings, equal (and equally hashed) strategies;
+    frozen."""
+    assert transforms.residual_feedback() == transforms.residual_feedback()
+    assert transforms.ef21() == EF21 != transforms.ef21(momentum=0.5)
+    assert transforms.ef21(momentum=0.5) == transforms.ef21(momentum=0.5)
+    assert hash(transforms.ef21(momentum=0.5)) == hash(transforms.ef21(momentum=0.5))
+    assert hash(transforms.residual_feedback()) == hash(transforms.residual_feedback())
+    assert transforms.ef21() != transforms.residual_feedback()
+    assert len({transforms.residual_feedback(), transforms.residual_feedback(), EF21,
+                transforms.ef21(), transforms.ef21(momentum=0.5)}) == 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        EF21.momentum = 0.5
+
+
+def test_each_strategy_keeps_its_own_state_type():
+    """The state is (feedback, key, count): a ResidualState for the residual
+    (no EF21 field in it) and for None (every leaf masked), an EF21State for
+    EF21."""
+    assert transforms.CompressedAllReduceState._fields == ("feedback", "key", "count")
+    residual = _tx().init(_template()).feedback
+    assert type(residual) is transforms.ResidualState
+    assert residual._fields == ("residual", "owner_residual")
+    assert not any(hasattr(residual, name)
+                   for name in ("local_estimate", "estimate", "momentum"))
+    assert {k: v.shape for k, v in residual.residual.items()} == SHAPES
+    none = _tx(error_feedback=None, algorithm="pairwise").init(_template()).feedback
+    assert type(none) is transforms.ResidualState
+    masked = jax.tree.leaves(none, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+    assert len(masked) == 2 * len(SHAPES)
+    assert all(isinstance(x, optax.MaskedNode) for x in masked)
+    for strategy in (EF21, transforms.ef21(momentum=0.5)):
+        ef21 = _tx(error_feedback=strategy).init(_template()).feedback
+        assert type(ef21) is transforms.EF21State
+        assert ef21._fields == ("local_estimate", "estimate", "owner_residual", "momentum")
+        assert isinstance(ef21.momentum["w"], optax.MaskedNode) == (strategy.momentum is None)
+
+
+def test_a_state_of_another_strategy_is_refused():
+    """A state made under one strategy, passed to a transformation of the
+    other: ValueError naming both state types."""
+    residual, ef21 = _tx(), _tx(error_feedback=EF21)
+    for made, used, name in ((ef21, residual, "EF21State"), (residual, ef21, "ResidualState")):
+        state = transforms.init_sharded(made, _template(), mesh_of(N), "d")
+        with pytest.raises(ValueError, match=f"the state's error feedback is of type {name}"):
+            sharded_update(used, N, state)(_grads(0), state)
 
 
 def test_state_fields_and_their_specs():
-    """EF21's estimate is replicated, P(); the momentum per device, P("d");
-    both masked where unused (the classic residual, uncompressed leaves)."""
-    tx = _tx(error_feedback="ef21", ef21_momentum=0.5, min_size=41)
-    specs = transforms.state_specs(jax.eval_shape(tx.init, _template()), "d")
+    """EF21's estimate is replicated, P(); g_i, the owner's error and the
+    momentum per device, P("d"); masked on uncompressed leaves, and the
+    residual's owner error where it runs no pairwise algorithm."""
+    tx = _tx(error_feedback=transforms.ef21(momentum=0.5), min_size=41)
+    specs = transforms.state_specs(jax.eval_shape(tx.init, _template()), "d").feedback
     assert specs.estimate["w"] == specs.estimate["k"] == P()
-    assert specs.momentum["w"] == specs.residual["w"] == specs.owner_residual["w"] == P("d")
-    for field in ("residual", "owner_residual", "estimate", "momentum"):
+    assert (specs.momentum["w"] == specs.local_estimate["w"] == specs.owner_residual["w"]
+            == P("d"))
+    for field in specs._fields:
         assert isinstance(getattr(specs, field)["b"], optax.MaskedNode)   # 40 < min_size
-    plain = _tx().init(_template())
-    assert all(isinstance(plain.estimate[k], optax.MaskedNode)
-               and isinstance(plain.momentum[k], optax.MaskedNode) for k in SHAPES)
+    plain = transforms.state_specs(jax.eval_shape(_tx().init, _template()), "d").feedback
+    assert plain.residual["w"] == P("d")
     assert isinstance(plain.owner_residual["w"], optax.MaskedNode)   # "auto" on the residual
 
 
 def test_non_finite_gradients_leave_every_field_unchanged():
-    tx = _tx(error_feedback="ef21", ef21_momentum=0.5, mask_zero_rows=True)
+    tx = _tx(error_feedback=transforms.ef21(momentum=0.5), mask_zero_rows=True)
     state = transforms.init_sharded(tx, _template(), mesh_of(N), "d")
     step = sharded_update(tx, N, state)
     for t in range(3):
@@ -270,10 +328,10 @@ def test_non_finite_gradients_leave_every_field_unchanged():
     bad["k"][2, 0, 1, 2, 3] = np.nan
     update, after = step(bad, state)
     assert not np.isfinite(np.asarray(update["k"])).all()
-    for field in ("residual", "owner_residual", "estimate", "momentum"):
-        for a, b in zip(jax.tree.leaves(getattr(state, field)),
-                        jax.tree.leaves(getattr(after, field)), strict=True):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert len(jax.tree.leaves(state.feedback)) == 4 * len(SHAPES)   # every field kept
+    for a, b in zip(jax.tree.leaves(state.feedback), jax.tree.leaves(after.feedback),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert int(after.count) == int(state.count) + 1
 
 
@@ -288,32 +346,68 @@ def test_wire_bytes():
     """EF21 sends what the classic residual sends; EF21-SGDM too; the mask
     adds one all-reduce of one byte per row (48 + 3 + the vector's 1)."""
     qsgd = qc.qsgd(bits=4)
-    assert _bytes(_tx(qsgd, error_feedback="ef21")) == _bytes(_tx(qsgd)) > 0
+    assert _bytes(_tx(qsgd, error_feedback=EF21)) == _bytes(_tx(qsgd)) > 0
     plain, rows = _bytes(_tx()), 48 + 3 + 1
-    assert _bytes(_tx(error_feedback="ef21")) == plain
-    assert _bytes(_tx(error_feedback="ef21", ef21_momentum=0.9)) == plain
-    for mode in ("residual", "ef21"):
-        masked = _bytes(_tx(error_feedback=mode, mask_zero_rows=True))
+    assert _bytes(_tx(error_feedback=EF21)) == plain
+    assert _bytes(_tx(error_feedback=transforms.ef21(momentum=0.9))) == plain
+    for feedback in FEEDBACK.values():
+        masked = _bytes(_tx(error_feedback=feedback, mask_zero_rows=True))
         assert masked - plain == 2 * (N - 1) / N * rows
     flags = [op for op in _bytes(_tx(mask_zero_rows=True), ops=True) if op.op == "all-reduce"]
     assert [(op.operand_bytes, op.multiplicity) for op in flags] == [(rows, 1)]
 
 
-def test_default_is_the_residual_bit_for_bit():
-    """error_feedback=True and "residual" are the same program: the same
-    lowered step and the same updates and state, bit for bit."""
-    runs = [_steps(_tx(qc.qsgd(bits=4), error_feedback=mode), _grads, 3)
-            for mode in (True, "residual")]
-    for (u1, s1), (u2, s2) in zip(*runs, strict=True):
-        for a, b in zip(_values(u1, s1), _values(u2, s2), strict=True):
+#: The older spellings of ``error_feedback=`` (and ``ef21_momentum=``), the
+#: strategy each names, and how its warning spells that strategy.
+OLDER_SPELLINGS = [
+    (dict(error_feedback=True), transforms.residual_feedback(),
+     "error_feedback=transforms.residual_feedback()"),
+    (dict(error_feedback="residual"), transforms.residual_feedback(),
+     "error_feedback=transforms.residual_feedback()"),
+    (dict(error_feedback=False), None, "error_feedback=None"),
+    (dict(error_feedback="none"), None, "error_feedback=None"),
+    (dict(error_feedback="ef21"), transforms.ef21(), "error_feedback=transforms.ef21()"),
+    (dict(error_feedback="ef21", ef21_momentum=0.5), transforms.ef21(momentum=0.5),
+     "error_feedback=transforms.ef21(momentum=...)"),
+]
+
+
+def test_the_older_spellings_warn_and_are_their_strategies_bit_for_bit():
+    """True, "residual", False, "none", "ef21" and ef21_momentum= still work:
+    each warns (DeprecationWarning, naming the new spelling) and is the same
+    program as its strategy, with the same updates and state bit for bit;
+    the older momentum is still checked, under its own name."""
+    compressor = qc.qsgd(bits=4)
+    for old, new, spelled in OLDER_SPELLINGS:
+        with pytest.warns(DeprecationWarning, match=re.escape(spelled)):
+            old_tx = _tx(compressor, **old)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)
+            new_tx = _tx(compressor, error_feedback=new)
+        texts, runs = set(), []
+        for tx in (old_tx, new_tx):
+            state = transforms.init_sharded(tx, _template(), mesh_of(N), "d")
+            step = sharded_update(tx, N, state)
+            grads = jax.device_put(_grads(0), NamedSharding(mesh_of(N), P("d")))
+            texts.add(step.mapped.lower(grads, state).as_text())
+            run = []
+            for t in range(2):
+                update, state = step(_grads(t), state)
+                run.append(_values(update, state))
+            runs.append(run)
+        assert len(texts) == 1, old
+        for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1]), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    texts = set()
-    for mode in (True, "residual"):
-        tx = _tx(qc.qsgd(bits=4), error_feedback=mode)
-        state = transforms.init_sharded(tx, _template(), mesh_of(N), "d")
-        grads = jax.device_put(_grads(0), NamedSharding(mesh_of(N), P("d")))
-        texts.add(sharded_update(tx, N, state).mapped.lower(grads, state).as_text())
-    assert len(texts) == 1
+    for bad in (0, 1.5, float("nan"), True, "0.5"):
+        with pytest.warns(DeprecationWarning), pytest.raises(ValueError,
+                                                             match="^ef21_momentum must"):
+            _tx(error_feedback="ef21", ef21_momentum=bad)
+    for feedback in (transforms.residual_feedback(), None, True, "none"):
+        with pytest.warns(DeprecationWarning), pytest.raises(ValueError,
+                                                             match="ef21_momentum.*needs EF21"):
+            _tx(error_feedback=feedback, ef21_momentum=0.5)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="disagree"):
+        _tx(error_feedback=transforms.ef21(momentum=0.9), ef21_momentum=0.5)
 
 
 V, D, DEAD = 40, 16, 5   # an embedding of V rows; rows 0 .. DEAD - 1 get no gradient
@@ -334,17 +428,16 @@ def _embedding_grads(t, dead):
 EMBEDDING = {"emb": jnp.zeros((V, D)), "vec": jnp.zeros(40)}
 
 
-@pytest.mark.parametrize("mode", ["residual", "ef21"])
-def test_rows_without_gradient_get_no_update_and_accrue_no_error(mode):
+@pytest.mark.parametrize("name", FEEDBACK)
+def test_rows_without_gradient_get_no_update_and_accrue_no_error(name):
     """Three steps with every row live, then six where rows 0 .. 4 (and the
     vector) get no gradient on any device. A sign compressor cannot send their
     zeros: without the mask they get updates and their state moves; with it
     their update is exactly zero and every state field keeps its value."""
     compressor = qc.onebit(bucket_size=256)       # buckets of 16 rows: dead and live together
-    fields = ("residual", "owner_residual", "estimate")
 
     def run(mask):
-        return _steps(_tx(compressor, error_feedback=mode, mask_zero_rows=mask),
+        return _steps(_tx(compressor, error_feedback=FEEDBACK[name], mask_zero_rows=mask),
                       functools.partial(_embedding_grads, dead=3), 9, EMBEDDING)
 
     def dead(state, field):
@@ -356,18 +449,19 @@ def test_rows_without_gradient_get_no_update_and_accrue_no_error(mode):
     for update, state in masked[3:]:
         assert not update["emb"][:DEAD].any() and not update["vec"].any()
         assert update["emb"][DEAD:].any()
-        for field in fields:
+        for field in state.feedback._fields:
             if dead(state, field) is not None:
                 np.testing.assert_array_equal(dead(state, field), dead(masked[2][1], field))
     assert any(np.abs(u["emb"][:DEAD]).max() > 0.1 for u, _ in plain[3:])
-    field = "residual" if mode == "residual" else "estimate"
+    field = "residual" if name == "residual" else "estimate"
     moved = [np.abs(dead(s, field) - dead(plain[2][1], field)).max() for _, s in plain[3:]]
     assert moved[-1] > 0.1 and moved[-1] >= moved[0], moved
 
 
-@pytest.mark.parametrize("mode", ["residual", "ef21"])
-def test_the_mask_changes_nothing_where_every_row_has_gradient(mode):
-    runs = [_steps(_tx(qc.onebit(bucket_size=256), error_feedback=mode, mask_zero_rows=mask),
+@pytest.mark.parametrize("name", FEEDBACK)
+def test_the_mask_changes_nothing_where_every_row_has_gradient(name):
+    runs = [_steps(_tx(qc.onebit(bucket_size=256), error_feedback=FEEDBACK[name],
+                       mask_zero_rows=mask),
                    functools.partial(_embedding_grads, dead=99), 3, EMBEDDING)
             for mask in (False, True)]
     for (u1, s1), (u2, s2) in zip(*runs, strict=True):

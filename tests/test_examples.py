@@ -267,21 +267,21 @@ def test_mlp_example_trains_on_a_data_model_mesh(tmp_path, capsys):
     assert "(4 data x 2 model, cpu)" in out and "| data vs none |" in out
 
 
-def test_a_run_that_ends_in_its_warm_up_warns_and_the_table_says_so(tmp_path, capsys):
+def test_a_run_that_ends_in_its_exact_steps_warns_and_the_table_says_so(tmp_path, capsys):
     """PowerSGD with 10 uncompressed steps in a 4-step run never compresses:
     a warning says so, and the table gives the steps and bytes of each
     phase, measured by name on the compiled step."""
     with pytest.warns(UserWarning, match=r"powersgd: the run's 4 steps end before its first "
-                                         r"compressed step \(4 warm-up\)"):
+                                         r"compressed step \(4 exact\)"):
         (run,) = _main("mnist_mlp")(_tiny_args(tmp_path, ["powersgd"], [
             "--width", "64", "--powersgd-start", "10"]))
     assert run.wire_bytes_by_phase == {"compressed": run.wire_bytes,
-                                       "warm-up": run.wire_bytes_max}
-    assert run.phases == [["warm-up", 0, 4]]
-    assert (f"| {run.wire_bytes:,} (4 warm-up steps at {run.wire_bytes_max:,}; "
+                                       "exact": run.wire_bytes_max}
+    assert run.phases == [["exact", 0, 4]]
+    assert (f"| {run.wire_bytes:,} (4 exact steps at {run.wire_bytes_max:,}; "
             f"0 compressed at {run.wire_bytes:,}) |") in capsys.readouterr().out
     record = json.loads((tmp_path / "mnist_mlp.json").read_text())["runs"][0]
-    assert record["phases"] == [["warm-up", 0, 4]]
+    assert record["phases"] == [["exact", 0, 4]]
 
 
 @pytest.mark.slow  # a training run; the hierarchy is tested in test_hierarchical.py

@@ -218,7 +218,7 @@ def test_powersgd_transform_of_huge_finite_gradients_is_finite():
     import transforms
 
     n = 2
-    tx = transforms.powersgd("d", rank=2, key=jax.random.key(0), start_iter=0)
+    tx = transforms.powersgd("d", rank=2, key=jax.random.key(0), compress_after=0)
     template = {"w": jnp.zeros((16, 8)), "v": jnp.zeros((8,))}
     state = transforms.init_sharded(tx, template, mesh_of(n), "d")
     run = sharded_update(tx, n, state)
@@ -302,8 +302,8 @@ def _transforms_on(axis):
             axis, compressor=qc.onebit(), key=key),
         "compressed_all_reduce min_size": transforms.compressed_all_reduce(
             axis, compressor=qc.onebit(), key=key, min_size=100),
-        "powersgd warm-up": transforms.powersgd(axis, rank=2, key=key),
-        "powersgd": transforms.powersgd(axis, rank=2, key=key, start_iter=0),
+        "powersgd exact steps": transforms.powersgd(axis, rank=2, key=key),
+        "powersgd": transforms.powersgd(axis, rank=2, key=key, compress_after=0),
         "gradiveq": transforms.gradiveq(axis, key=key, slice_size=16, rank=2),
         "compressed_model_averaging": optax.chain(optax.sgd(0.1),
                                                   transforms.compressed_model_averaging(

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import qcollect as qc
 from qcollect.coding._golomb import rice_decode, rice_encode, rice_parameter, stream_layout
 from qcollect.coding._sparse import EMPTY_INDEX
+from tests.helpers import normal
 
 _CODEC = {}
 
@@ -122,7 +123,7 @@ def test_golomb_payload_bytes_as_documented():
 def test_golomb_bits_per_sent_entry_on_normal_gradient():
     """Rice bits per sent entry at ~1/32 density: the measured figure (about 7 + 1 sign)."""
     n = 1 << 20
-    x = jax.random.normal(jax.random.key(0), (n,))
+    x = normal(0, (n,))
     c = qc.threshold(2.154, capacity=1 / 16, coding="golomb_rice")
     p = jax.jit(c.encode)(x)
     sent = int(p["header"]) & 0x7FFFFFFF
@@ -138,7 +139,7 @@ def test_golomb_bits_per_sent_entry_on_normal_gradient():
 
 def test_vmap_golomb():
     c = qc.threshold(0.5, capacity=0.3, coding="golomb_rice")
-    xs = jax.random.normal(jax.random.key(2), (4, 50))
+    xs = normal(2, (4, 50))
     ys = jax.jit(jax.vmap(lambda x: c.decode(c.encode(x))))(xs)
     xs = np.asarray(xs)
     for x, y in zip(xs, np.asarray(ys), strict=True):

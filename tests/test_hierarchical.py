@@ -246,14 +246,15 @@ def test_transform_error_feedback_over_both_axes():
             error_feedback=error_feedback), optax.sgd(1.0))
         return _train(AXES, mesh, tx, params, lambda t: grads[t], steps)
 
-    got, state = run(True)
-    assert transforms.state_specs(state, AXES)[0].residual["w"] == SPEC
-    assert state[0].residual["w"].shape == (n, 32, 8)
+    got, state = run(transforms.residual_feedback())
+    assert transforms.state_specs(state, AXES)[0].feedback.residual["w"] == SPEC
+    feedback = state[0].feedback
+    assert feedback.residual["w"].shape == (n, 32, 8)
     for name in params:
-        left = (np.asarray(state[0].residual[name]).sum(0)
-                + np.asarray(state[0].owner_residual[name]).sum(0)) / n
+        left = (np.asarray(feedback.residual[name]).sum(0)
+                + np.asarray(feedback.owner_residual[name]).sum(0)) / n
         np.testing.assert_allclose(np.asarray(got[name]) - left, exact[name], atol=1e-4)
-    plain, _ = run(False)
+    plain, _ = run(None)
     err = lambda p: np.linalg.norm(np.asarray(p["w"]) - exact["w"])  # noqa: E731
     assert err(got) < 0.5 * err(plain)
 

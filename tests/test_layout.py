@@ -13,7 +13,7 @@ from jax import lax
 import qcollect as qc
 from qcollect.collectives._layout import plan_segments
 from qcollect.collectives._segments import ColumnSegment
-from tests.helpers import per_device
+from tests.helpers import normal, per_device
 
 
 def _tree():
@@ -98,7 +98,7 @@ def test_column_segments_hold_whole_columns_side_by_side(n):
     # Leaves with 12 rows in their matrix view share a segment; (3, 4, 5)
     # has 12 rows too (channels-last: (kh*kw*in, out)); (7, 2) does not.
     shapes = [(12, 3), (3, 4, 5), (7, 2), (12,)]
-    leaves = [jax.random.normal(jax.random.key(i), s) for i, s in enumerate(shapes)]
+    leaves = [normal(i, s) for i, s in enumerate(shapes)]
     segments = plan_segments(leaves, "column", 1, n)
     assert _members(segments) == [(0, 1, 3), (2,)]
     seg = segments[0]
@@ -184,9 +184,9 @@ def _collectives(fn, *args):
 
 def test_bucket_cap_splits_collectives_not_results():
     n = 4
-    tree = {"big": jax.random.normal(jax.random.key(0), (n, 4096)),
-            "small1": jax.random.normal(jax.random.key(1), (n, 30)),
-            "small2": jax.random.normal(jax.random.key(2), (n, 20))}
+    tree = {"big": normal(0, (n, 4096)),
+            "small1": normal(1, (n, 30)),
+            "small2": normal(2, (n, 20))}
     exact = per_device(lambda t: lax.psum(t, "d"), n)(tree)
     counts = {}
     for cap in (None, 1 << 10):
@@ -231,7 +231,7 @@ def test_collective_codec_codes_whole_groups_as_the_leaf_codec_does(grouping):
     """One-bit's groups are whole buckets or columns, so coding the leaf in
     4 chunks decodes to what coding it whole does, and the payload carries
     every chunk's bytes."""
-    x = jax.random.normal(jax.random.key(0), (64, 32)) * jnp.linspace(0.1, 3.0, 32)
+    x = normal(0, (64, 32)) * jnp.linspace(0.1, 3.0, 32)
     c = qc.onebit(grouping=grouping)
     laid = qc.collective_codec(c, x, 4)
     payload = laid.encode(x, jax.random.key(1))

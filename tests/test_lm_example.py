@@ -212,16 +212,42 @@ def test_folders_that_cannot_be_written_are_refused_before_training(tmp_path, ca
         locked.chmod(0o755)
 
 
-def test_one_bit_adam_recipe_warms_up_uncompressed_then_freezes_the_variance(tmp_path):
+def test_one_bit_adam_recipe_warms_up_uncompressed_then_freezes_the_variance(tmp_path,
+                                                                            monkeypatch):
     """``--compress-after 2 --freeze-variance true``: two uncompressed steps
-    (the bytes of ``none``), then one-bit; AdamW's second moment stops."""
+    (the bytes of ``none``), then one-bit; AdamW's second moment stops: after
+    step 2 it is exactly what it was at step 2, while the first moment moves."""
+    import jax
+    import transforms
+    from common import train
+
+    moments = []   # (count, nu_count, mu, nu) of onebit's AdamW after each step
+
+    def advance(run, *args):
+        losses = advance.original(run, *args)
+        (adam,) = [s for s in jax.tree.leaves(run.opt_state, is_leaf=lambda s: isinstance(
+            s, transforms.FrozenAdamState)) if isinstance(s, transforms.FrozenAdamState)]
+        moments.append((int(adam.count), int(adam.nu_count)) + tuple(
+            [np.asarray(x) for x in jax.tree.leaves(m)] for m in (adam.mu, adam.nu)))
+        return losses
+
+    advance.original = train._advance
+    monkeypatch.setattr(train, "_advance", advance)
     args = ["--steps", "4", "--eval-every", "4", "--output-dir", str(tmp_path), *TINY]
     none, onebit = _main()(["--compressors", "none,onebit", "--compress-after", "2",
                             "--freeze-variance", "true", *args])
+    steps = moments[-4:]   # onebit's run (none's steps come first)
+    assert [(count, seen) for count, seen, _, _ in steps] == [(1, 1), (2, 2), (3, 2), (4, 2)]
+    (_, _, _, nu1), (_, _, mu2, nu2) = steps[:2]
+    assert not all(np.array_equal(a, b) for a, b in zip(nu1, nu2, strict=True))
+    for _, _, mu, nu in steps[2:]:
+        for frozen, now in zip(nu2, nu, strict=True):
+            np.testing.assert_array_equal(now, frozen)
+        assert not all(np.array_equal(a, b) for a, b in zip(mu2, mu, strict=True))
     assert np.isfinite(onebit.losses).all() and onebit.wire_bytes < none.wire_bytes / 5
     assert onebit.wire_bytes_max == none.wire_bytes
     run = json.loads((tmp_path / "lm.json").read_text())["runs"][1]
-    assert run["phase_bytes"] == {"warm-up": none.wire_bytes,
+    assert run["phase_bytes"] == {"exact": none.wire_bytes,
                                   "compressed": onebit.wire_bytes}
     assert run["bytes_sent"][-1] == 2 * none.wire_bytes + 2 * onebit.wire_bytes
     for bad in (dict(compress_after=0), dict(optimizer="adagrad")):
@@ -262,7 +288,7 @@ def test_lm_resume_is_bit_identical(tmp_path):
 
 @pytest.mark.slow  # two phased runs: their extra compiles
 def test_phased_all_reduces_count_each_phase(tmp_path, capsys):
-    """PowerSGD's uncompressed first step, GradiVeQ's warm-up, sampling and
+    """PowerSGD's uncompressed first step, GradiVeQ's lead-in, sampling and
     compressed steps: each phase's bytes measured by name on the compiled
     step, summed on the run's schedule into ``bytes_sent``, and the table
     says how many steps each phase took."""
@@ -276,20 +302,20 @@ def test_phased_all_reduces_count_each_phase(tmp_path, capsys):
         assert sorted(set(run["phase_bytes"].values())) == [run["wire_bytes"],
                                                              run["wire_bytes_max"]]
     phases = powersgd["phase_bytes"]
-    assert set(phases) == {"warm-up", "compressed"}
-    assert powersgd["phases"] == [["warm-up", 0, 1], ["compressed", 1, 4]]
-    assert powersgd["bytes_sent"] == [0, phases["warm-up"] + 3 * phases["compressed"]]
+    assert set(phases) == {"exact", "compressed"}
+    assert powersgd["phases"] == [["exact", 0, 1], ["compressed", 1, 4]]
+    assert powersgd["bytes_sent"] == [0, phases["exact"] + 3 * phases["compressed"]]
     phases = gradiveq["phase_bytes"]
-    assert phases["warm-up"] == phases["sampling"] == gradiveq["wire_bytes_max"]
+    assert phases["lead-in"] == phases["sampling"] == gradiveq["wire_bytes_max"]
     assert phases["compressed"] == gradiveq["wire_bytes"]
-    assert gradiveq["phases"] == [["warm-up", 0, 1], ["sampling", 1, 2], ["compressed", 2, 3],
+    assert gradiveq["phases"] == [["lead-in", 0, 1], ["sampling", 1, 2], ["compressed", 2, 3],
                                   ["sampling", 3, 4]]
-    assert gradiveq["bytes_sent"] == [0, phases["warm-up"] + 2 * phases["sampling"]
+    assert gradiveq["bytes_sent"] == [0, phases["lead-in"] + 2 * phases["sampling"]
                                       + phases["compressed"]]
     table = capsys.readouterr().out
-    assert (f"1 warm-up step at {powersgd['phase_bytes']['warm-up']:,}; "
+    assert (f"1 exact step at {powersgd['phase_bytes']['exact']:,}; "
             f"3 compressed at {powersgd['phase_bytes']['compressed']:,}") in table
-    assert f"1 warm-up step at {phases['warm-up']:,}; 2 sampling at" in table
+    assert f"1 lead-in step at {phases['lead-in']:,}; 2 sampling at" in table
 
 
 def test_lm_trains_sharded_with_compressed_gathers_and_scatters(tmp_path, capsys):
@@ -414,26 +440,28 @@ def test_fsdp_config_is_checked():
 
 
 def test_the_frontier_records_each_point_and_resumes(tmp_path, monkeypatch):
-    """Two points on a tiny model: seed 0 of each, every seed of the points
-    close to ``none``; the JSON, table and plot; a second call runs nothing."""
+    """One point beside ``none`` on a tiny model: seed 0 of each, every seed of
+    ``none`` (the point, 50% above it, is not within 10%); the JSON, table and
+    plot; a second call runs nothing. (Which seeds run: the test below; 4-bit
+    QSGD's bytes: the end-to-end test; several points on one frontier: the
+    synthetic runs of the test after it.)"""
     from lm import frontier
 
-    args = ["--only", "qsgd-4,onebit-w60-frozen", "--seeds", "2", "--within", "0.5",
+    args = ["--only", "onebit-exact10%-frozen", "--seeds", "2", "--within", "0.1",
             "--output-dir", str(tmp_path), "--steps", "10", "--eval-every", "10", *TINY]
     done = frontier.main(args)
     saved = json.loads((tmp_path / "frontier.json").read_text())
     assert saved["steps"] == 10 and {(r["name"], r["seed"]) for r in saved["runs"]} == set(done)
-    assert {("none", 0), ("none", 1), ("qsgd-4", 0), ("onebit-w60-frozen", 0)} <= set(done)
+    assert set(done) == {("none", 0), ("none", 1), ("onebit-exact10%-frozen", 0)}
     points = {p["name"]: p for p in saved["points"]}
     assert points["none"]["seeds"] == 2 and points["none"]["vs_none"] == 0.0
-    # onebit's warm-up (1 of 10 steps exact) weighs in: between onebit's and none's bytes
-    warm = done[("onebit-w60-frozen", 0)]
+    # onebit's exact steps (1 of 10) weigh in: between onebit's and none's bytes
+    warm = done[("onebit-exact10%-frozen", 0)]
     assert warm["settings"]["compress_after"] == 1 and warm["settings"]["freeze_variance"]
-    assert points["qsgd-4"]["bytes_per_step"] < points["none"]["bytes_per_step"] / 4
     assert points["none"]["bytes_per_step"] / 10 < warm["bytes_per_step"] < points["none"][
         "bytes_per_step"] / 5
     table = (tmp_path / "frontier.md").read_text()
-    assert "| qsgd-4 |" in table
+    assert "| onebit-exact10%-frozen |" in table
     # the gap along the run: none against itself is 0 at every evaluation
     assert "| none | +0.0% | +0.0% |" in table.split("Against none along the run")[1]
     assert (tmp_path / "frontier.png").stat().st_size > 0
@@ -444,10 +472,63 @@ def test_the_frontier_records_each_point_and_resumes(tmp_path, monkeypatch):
         frontier.main([*args, "--steps", "12"])
 
 
+def test_the_frontier_runs_every_seed_of_none_and_of_the_points_close_to_it():
+    """Seed 0 of every point first; once none's seed 0 is known, the other
+    seeds of none and of each point within ``within`` of it, not of the rest."""
+    from lm import frontier
+
+    names = ["none", "near", "far"]
+    assert frontier.plan(names, 3, {}, 0.05) == [("none", 0), ("near", 0), ("far", 0)]
+    done = {("none", 0): {"val_bits_per_byte": 2.0}, ("near", 0): {"val_bits_per_byte": 2.09},
+            ("far", 0): {"val_bits_per_byte": 2.2}}
+    assert frontier.plan(names, 3, done, 0.05) == [("none", 1), ("none", 2), ("near", 1),
+                                                   ("near", 2)]
+    assert frontier.plan(names, 3, done, 0.2)[-2:] == [("far", 1), ("far", 2)]
+    done.update({(n, s): done[(n, 0)] for n in ("none", "near") for s in (1, 2)})
+    assert frontier.plan(names, 3, done, 0.05) == []
+    assert frontier.plan(names, 1, {("near", 0): done[("near", 0)]}, 0.05) == [
+        ("none", 0), ("far", 0)]
+
+
+def test_frontier_names_say_the_exact_steps_as_a_share_and_read_old_records(tmp_path,
+                                                                          monkeypatch):
+    """A 1,800-step run names its points as a 600-step run does, with three
+    times the exact steps; a record of the names that said 600-step counts
+    (``onebit-w120-frozen``, run for 1,800 steps with 360 exact) is read
+    under today's names, and nothing runs again."""
+    from lm import frontier, frontier_report
+
+    short, long = frontier.points(600), frontier.points(1800)
+    assert list(short) == list(long) and len(short) == len(frontier.POINTS)
+    assert short["onebit-exact20%-frozen"]["compress_after"] == 120
+    assert long["onebit-exact20%-frozen"]["compress_after"] == 360
+    assert long["qsgd-4-exact10%"]["compress_after"] == 180
+    assert long["diloco-h10-none"]["diloco_sync_first"] == 360
+    assert not [n for n in short if "-w60" in n or "-w120" in n]
+
+    def run(name, **settings):
+        return {"name": name, "seed": 0, "val_bits_per_byte": 2.0, "curve": [[0, 4.0], [9, 2.0]],
+                "bytes_per_step": 1.0, "settings": settings}
+
+    old = [run("none", compressors=["none"]),
+           run("onebit-w120-frozen", compressors=["onebit"], compress_after=360,
+               freeze_variance=True),
+           run("qsgd-4-w60", compressors=["qsgd-4"], compress_after=180)]
+    frontier_report.store(tmp_path / "frontier.json", 1800, {(r["name"], 0): r for r in old})
+    monkeypatch.setattr(frontier, "measure", lambda *a: pytest.fail("ran again"))
+    done = frontier.main(["--only", "onebit-exact20%-frozen,qsgd-4-exact10%", "--seeds", "1",
+                          "--output-dir", str(tmp_path), "--steps", "1800", *TINY])
+    assert set(done) == {("none", 0), ("onebit-exact20%-frozen", 0), ("qsgd-4-exact10%", 0)}
+    assert done[("qsgd-4-exact10%", 0)]["name"] == "qsgd-4-exact10%"
+    assert "| onebit-exact20%-frozen |" in (tmp_path / "frontier.md").read_text()
+    saved = json.loads((tmp_path / "frontier.json").read_text())
+    assert {r["name"] for r in saved["runs"]} == {n for n, _ in done}
+
+
 def test_time_to_target_times_each_phase_of_a_point(tmp_path, capsys):
     """A frontier of four points and step times at two rates: steps to none's
     final loss from the interpolated curves, seconds summed by phase (exact
-    warm-up steps at none's time, DiLoCo's inner steps at local's and one
+    steps at none's time, DiLoCo's inner steps at local's and one
     outer exchange per round), a point that never reaches the target."""
     from lm import time_to_target
 

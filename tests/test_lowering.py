@@ -403,7 +403,7 @@ def _transform_builders():
         "compressed_all_reduce-onebit-pairwise-mask_zero_rows": lambda: _data_parallel(
             all_reduce("d", compressor=onebit, algorithm="pairwise", mask_zero_rows=True)),
         "compressed_all_reduce-onebit-ef21-momentum": lambda: _data_parallel(
-            all_reduce("d", compressor=onebit, error_feedback="ef21", ef21_momentum=0.9)),
+            all_reduce("d", compressor=onebit, error_feedback=transforms.ef21(momentum=0.9))),
         "compressed_all_reduce-warm_up-frozen_adamw": lambda: _data_parallel(optax.chain(
             all_reduce("d", compressor=onebit, compress_after=2), optax.clip_by_global_norm(1.0),
             transforms.frozen_adamw(1e-3, freeze_after=2))),
@@ -411,7 +411,7 @@ def _transform_builders():
             all_reduce(HIERARCHY, compressor=onebit), HIERARCHY),
         "mean_all_reduce": lambda: _data_parallel(transforms.mean_all_reduce("d")),
         "powersgd": lambda: _data_parallel(transforms.powersgd("d", rank=2, key=key,
-                                                                start_iter=1)),
+                                                                compress_after=1)),
         "gradiveq": lambda: _data_parallel(transforms.gradiveq(
             "d", key=key, slice_size=16, rank=2, warmup_steps=1, sample_steps=1,
             compressed_steps=1)),

@@ -224,7 +224,7 @@ def test_transform_state_is_sharded_like_the_parameters():
     packed, state = trainer(transforms.compressed_all_reduce(
         "data", compressor=qc.qsgd(bits=4, bucket_size=64), key=jax.random.key(0),
         min_size=100, block_specs=rule))
-    assert _normal(state[0].residual["w"].sharding.spec) == ("data", None, "model")
+    assert _normal(state[0].feedback.residual["w"].sharding.spec) == ("data", None, "model")
     assert _normal(state[1][0].mu["w"].sharding.spec) == (None, "model")
     assert _normal(state[1][0].nu["b"].sharding.spec) == ("model",)
     exact, exact_state = trainer(transforms.compressed_all_reduce(
@@ -239,8 +239,8 @@ def test_transform_state_is_sharded_like_the_parameters():
         mine, _ = exact(params, exact_state, batch)
         theirs, _ = reference(params, ref_state, batch)
         model_only = qc.wire_bytes_by_axis(reference, params, ref_state, batch, mesh=mesh)
-    assert (_normal(new_state[0].residual["w"].sharding.spec)
-            == _normal(state[0].residual["w"].sharding.spec))
+    assert (_normal(new_state[0].feedback.residual["w"].sharding.spec)
+            == _normal(state[0].feedback.residual["w"].sharding.spec))
     assert by_axis.get("model", 0) <= model_only.get("model", 0) + 8
     for name in params:
         np.testing.assert_allclose(np.asarray(mine[name]), np.asarray(theirs[name]),

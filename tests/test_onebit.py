@@ -1,5 +1,7 @@
 """Seide 1-bit quantization against a numpy reference."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import qcollect as qc
+from tests.helpers import normal
 
 
 def reference(x, grouping, bucket_size):
@@ -32,7 +35,7 @@ def reference(x, grouping, bucket_size):
     zeros=st.booleans(),
 )
 def test_means_match_reference(shape, grouping, bucket_size, seed, zeros):
-    x = np.asarray(jax.random.normal(jax.random.key(seed), shape))
+    x = np.asarray(normal(seed, shape))
     if zeros:  # exact zeros (and -0.0) belong to the non-negative side
         x = np.where(np.abs(x) < 0.5, np.float32(0.0), x)
         x.ravel()[::3] = np.where(x.ravel()[::3] == 0, np.float32(-0.0), x.ravel()[::3])
@@ -51,27 +54,46 @@ def test_means_match_reference(shape, grouping, bucket_size, seed, zeros):
     np.testing.assert_allclose(x_hat.ravel(), want, rtol=1e-5, atol=1e-6)
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _one_read(x, bucket):
+    """`_bucket_statistics` of ``x`` in buckets of ``bucket``, compiled as the
+    encoder runs it (one program, not a compile per operation)."""
+    from qcollect.compressors import _onebit
+    from qcollect.compressors._groups import bucket_groups, to_view
+
+    groups = bucket_groups(x.shape, bucket)
+    return _onebit._bucket_statistics(to_view(x, groups), groups)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _separate_reads(x, bucket):
+    """The sign words and both sums by reductions of their own, and the largest
+    bucket's sum of magnitudes: a program apart from `_one_read`'s, so that
+    the compiler cannot share an expression between the two."""
+    from qcollect.compressors._groups import bucket_groups, flat_codes, overflow_safe_scale, to_view
+
+    groups = bucket_groups(x.shape, bucket)
+    view = to_view(x, groups)
+    c = overflow_safe_scale(bucket)
+    return (qc.pack_bits(flat_codes(view >= 0, groups), 1),
+            0.5 * jnp.sum(view * c + jnp.abs(view * c), 1), jnp.sum(view * c, 1),
+            jnp.abs(view * c).sum(1).max(initial=0.0))
+
+
 @pytest.mark.parametrize("size", [0, 1, 31, 33, 64, 65, 1000, 65_536, 100_003])
 def test_buckets_of_whole_words_are_coded_in_one_read(size):
     """Buckets of whole uint32 words take their sign words and both sums from one
     reduction (`_bucket_statistics`): the words of packing the signs, sums equal to
     separate reductions up to their order, and one kernel reading the input
     where three did; padding after the last value packs as 0."""
-    from qcollect.compressors import _onebit
-    from qcollect.compressors._groups import bucket_groups, flat_codes, overflow_safe_scale, to_view
-
-    x = jax.random.normal(jax.random.key(size), (size,)) * jnp.exp(
-        jax.random.normal(jax.random.key(1), (size,)))
+    x = normal(size, (size,)) * jnp.exp(normal((1, size), (size,)))
     for bucket in (32, 64, 128):
-        groups = bucket_groups(x.shape, bucket)
-        view = to_view(x, groups)
-        bits, (pos, total) = _onebit._bucket_statistics(view, groups)
-        np.testing.assert_array_equal(bits, qc.pack_bits(flat_codes(view >= 0, groups), 1))
-        c = overflow_safe_scale(bucket)
-        scale = float(jnp.abs(view * c).sum(1).max(initial=0.0)) + 1e-30
-        np.testing.assert_allclose(pos, 0.5 * jnp.sum(view * c + jnp.abs(view * c), 1),
-                                   rtol=0, atol=1e-6 * scale)
-        np.testing.assert_allclose(total, jnp.sum(view * c, 1), rtol=0, atol=1e-6 * scale)
+        bits, (pos, total) = _one_read(x, bucket)
+        words, want_pos, want_total, largest = _separate_reads(x, bucket)
+        np.testing.assert_array_equal(bits, words)
+        scale = float(largest) + 1e-30
+        np.testing.assert_allclose(pos, want_pos, rtol=0, atol=1e-6 * scale)
+        np.testing.assert_allclose(total, want_total, rtol=0, atol=1e-6 * scale)
     if size == 65_536:  # whole buckets: no padded copy either
         whole = 4 * size
         reads = [k for k in qc.memory_report(qc.onebit().encode, x) if k.read >= whole]
@@ -112,7 +134,7 @@ def test_sampled_means_are_means_of_samples():
 
 
 def test_sampled_means_approach_exact_means():
-    x = jax.random.normal(jax.random.key(0), (64 * 1024,)) + 0.3
+    x = normal(0, (64 * 1024,)) + 0.3
     exact = qc.onebit(bucket_size=1024).encode(x)
     sampled = qc.onebit(bucket_size=1024, sample=256).encode(x, jax.random.key(1))
     for side in ("pos", "neg"):
@@ -122,7 +144,7 @@ def test_sampled_means_approach_exact_means():
 
 
 def test_sampled_draws_depend_on_key():
-    x = jax.random.normal(jax.random.key(0), (4096,))
+    x = normal(0, (4096,))
     c = qc.onebit(bucket_size=512, sample=8)
     a, b = c.encode(x, jax.random.key(1)), c.encode(x, jax.random.key(2))
     assert not np.array_equal(np.asarray(a["pos"]), np.asarray(b["pos"]))
@@ -174,7 +196,7 @@ def test_all_reduce_of_values_at_the_float32_maximum_is_finite(algorithm):
     big = np.zeros((n, 32, 64), np.float32)
     big[1] = _at_the_maximum((32, 64), seed=1)
     tree = {"max": jnp.asarray(big),
-            "small": jax.random.normal(jax.random.key(2), (n, 300))}
+            "small": normal(2, (n, 300))}
     c = qc.onebit()
     run = per_device(lambda t, k: tuple(qc.compressed_all_reduce(
         t, "d", c, k, algorithm=algorithm, mean=False)[:2]), n)

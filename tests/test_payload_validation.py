@@ -16,10 +16,11 @@ import pytest
 
 import qcollect as qc
 from qcollect import _payload
+from tests.helpers import normal
 
 KEY = jax.random.key(0)
 SHAPE = (11, 13)  # 143 values: partial buckets, a PCA tail, an odd matrix view
-X = jax.random.normal(jax.random.key(1), SHAPE)
+X = normal(1, SHAPE)
 
 
 def _entropy_planned():
@@ -28,13 +29,13 @@ def _entropy_planned():
 
 
 def _pca(mean: bool):
-    basis = jnp.linalg.qr(jax.random.normal(jax.random.key(2), (8, 3)))[0]
+    basis = jnp.linalg.qr(normal(2, (8, 3)))[0]
     return qc.pca(basis, jnp.full((8,), 0.1) if mean else None, num_workers=2)
 
 
 def _powersgd(side: str):
     rows = SHAPE[1] if side == "right" else SHAPE[0]
-    return qc.powersgd(qc.orthogonalize(jax.random.normal(jax.random.key(3), (rows, 2))),
+    return qc.powersgd(qc.orthogonalize(normal(3, (rows, 2))),
                        side=side)
 
 

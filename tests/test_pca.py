@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
+from tests.helpers import normal
 
 
 def _orthonormal(seed, k, d):
@@ -173,7 +174,7 @@ def test_conv_kernel_shape_and_compression_ratio():
     """A Flax HWIO kernel (3, 3, 16, 8): K = 3 * F * D = 384 slices, d = 48."""
     k, d = 384, 48
     c = qc.pca(_orthonormal(0, k, d), jnp.zeros(k), num_workers=4)
-    x = jax.random.normal(jax.random.key(0), (3, 3, 16, 8))
+    x = normal(0, (3, 3, 16, 8))
     payload = jax.jit(c.encode)(x)
     assert payload["coeffs"].shape == (3, d) and "tail" not in payload.arrays
     assert qc.payload_bytes(payload) == 4 * 3 * d + 4
@@ -184,7 +185,7 @@ def test_conv_kernel_shape_and_compression_ratio():
 def test_dtypes(dtype):
     k = 8
     c = qc.pca(_orthonormal(1, k, k), jnp.full(k, 0.5), num_workers=2)
-    x = jax.random.normal(jax.random.key(1), (5, 7)).astype(dtype)
+    x = normal(1, (5, 7)).astype(dtype)
     payload = jax.jit(c.encode)(x)
     assert payload["coeffs"].dtype == jnp.float32
     out = jax.jit(c.decode)(payload)
@@ -192,7 +193,7 @@ def test_dtypes(dtype):
     # Full rank: decode gives x - mu/2 + mu/2 == x up to rounding to dtype.
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(x, np.float32),
                                rtol=1e-2, atol=1e-2)
-    fit = qc.pca_fit(jax.random.normal(jax.random.key(2), (20, k)).astype(dtype),
+    fit = qc.pca_fit(normal(2, (20, k)).astype(dtype),
                      slice_size=k, rank=3)
     assert fit.basis.dtype == jnp.float32 and fit.basis.shape == (k, 3)
 
@@ -200,13 +201,13 @@ def test_dtypes(dtype):
 def test_vmap_matches_loop():
     k, d = 6, 2
     c = qc.pca(_orthonormal(3, k, d), jnp.arange(k, dtype=jnp.float32), num_workers=4)
-    xs = jax.random.normal(jax.random.key(3), (5, 20))
+    xs = normal(3, (5, 20))
     payloads = jax.jit(jax.vmap(c.encode))(xs)
     outs = jax.jit(jax.vmap(c.decode))(payloads)
     for i in range(5):
         np.testing.assert_allclose(outs[i], c.decode(c.encode(xs[i])), rtol=1e-6, atol=1e-6)
     fits = jax.vmap(functools.partial(qc.pca_fit, slice_size=k, rank=d))(
-        jax.random.normal(jax.random.key(4), (3, 10, k)))
+        normal(4, (3, 10, k)))
     assert fits.basis.shape == (3, k, d)
 
 

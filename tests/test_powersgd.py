@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
+from tests.helpers import normal
 
 
 @jax.jit
@@ -63,7 +64,7 @@ def test_orthogonalize_stacks_at_layer_sizes(lead):
     the Gram-Schmidt projection on a size-1 batch axis at these sizes (off by
     up to 0.2, or NaN); toy sizes never showed it."""
     for n, r in [(784, 8), (1000, 8), (2048, 4), (4096, 4)]:
-        p = jax.random.normal(jax.random.key(n + r), lead + (n, r))
+        p = normal(n + r, lead + (n, r))
         got = np.asarray(jax.jit(qc.orthogonalize)(p)).reshape(-1, n, r)
         for a, o in zip(np.asarray(p).reshape(-1, n, r), got, strict=True):
             q, rr = np.linalg.qr(a.astype(np.float64))
@@ -91,9 +92,8 @@ def test_products_of_unstacked_leaves_equal_the_stacked_products():
     """A list of matrices (the leaves of one shape, never stacked) gives the
     stacked products, and ``stacked=False`` the decode of each; the
     overflow-safe path too."""
-    k = jax.random.split(jax.random.key(0), 4)
-    mats = [jax.random.normal(k[j], (96, 40)) * 10.0 ** (3 * j) for j in range(3)]
-    q = qc.powersgd_normalize(jax.random.normal(k[3], (3, 40, 4)))
+    mats = [normal((0, j), (96, 40)) * 10.0 ** (3 * j) for j in range(3)]
+    q = qc.powersgd_normalize(normal((0, 3), (3, 40, 4)))
     stack = jnp.stack(mats)
     p = jax.jit(qc.powersgd_p)(mats, q)
     _assert_same_products(p, qc.powersgd_p(stack, q))
@@ -198,7 +198,7 @@ def test_payload_bytes_and_formats(view, n, m):
     q = qc.powersgd_init(jax.random.key(0), (16, 3, 3, 8), 4, view=view)
     assert q.shape == (m, 4)
     right = qc.powersgd(q, view=view)
-    x = jax.random.normal(jax.random.key(1), (16, 3, 3, 8))
+    x = normal(1, (16, 3, 3, 8))
     payload = jax.jit(right.encode)(x)
     assert payload["p"].shape == (n, 4) and qc.payload_bytes(payload) == 4 * n * 4
     p = jnp.ones((n, 2))
@@ -219,7 +219,7 @@ def test_payload_bytes_and_formats(view, n, m):
 def test_full_rank_round_trip_of_a_4d_kernel_is_exact(view):
     """Both halves at full rank reproduce a conv kernel, whichever way it is viewed."""
     shape = (3, 3, 4, 5)  # (36, 5) channels-last, (3, 60) channels-first
-    x = jax.random.normal(jax.random.key(7), shape)
+    x = normal(7, shape)
     q = qc.powersgd_init(jax.random.key(8), shape, 64, view=view)
     n, m = qc.powersgd_matrix_shape(shape, view=view)
     assert q.shape == (m, min(n, m))
@@ -326,7 +326,7 @@ def test_bad_configs_name_the_argument():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_dtypes(dtype):
-    x = jax.random.normal(jax.random.key(2), (6, 4)).astype(dtype)
+    x = normal(2, (6, 4)).astype(dtype)
     q = qc.powersgd_init(jax.random.key(3), x.shape, 4)  # full rank: lossless
     c = qc.powersgd(q)
     payload = jax.jit(c.encode)(x)
@@ -340,7 +340,7 @@ def test_dtypes(dtype):
 
 
 def test_vmap_and_batched_blocks():
-    ms = jax.random.normal(jax.random.key(4), (5, 6, 8))
+    ms = normal(4, (5, 6, 8))
     qs = jax.vmap(lambda k: qc.powersgd_init(k, (6, 8), 2))(jax.random.split(jax.random.key(5), 5))
     p_batched, approx = _power_step(ms, qs)  # leading batch axis through matmul and GS
     p_vmapped, approx_v = jax.jit(jax.vmap(_power_step))(ms, qs)

@@ -1,6 +1,8 @@
 """The recipes that keep a model's loss: the exact mean before compression
 (``compress_after``) and Adam's variance frozen where compression starts."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,8 +67,8 @@ def test_compress_after_sends_the_exact_mean_then_the_compressor():
 
 
 def test_each_phase_is_measured_and_scheduled_by_name():
-    """The warm-up sends what an exact all-reduce sends, the compressed
-    phase what the transformation without warm-up sends."""
+    """The exact steps send what an exact all-reduce sends, the compressed
+    phase what the transformation without them sends."""
     def measured(tx, by_phase=True):
         state = transforms.init_sharded(tx, _template(), mesh_of(N), "d")
         step = sharded_update(tx, N, state).mapped
@@ -78,11 +80,10 @@ def test_each_phase_is_measured_and_scheduled_by_name():
     plain, alone = measured(exact, by_phase=False), measured(_tx(), by_phase=False)
     assert plain == 2 * (N - 1) / N * 4 * sum(int(np.prod(s)) for s in SHAPES.values())
     assert alone < plain / 8
-    assert measured(_tx(compress_after=5)) == {"compressed": alone, "warm-up": plain}
+    assert measured(_tx(compress_after=5)) == {"compressed": alone, "exact": plain}
     assert measured(_tx()) == {}
-    spans = transforms.warm_up_phases(600, compress_after=120)
-    assert transforms.steps_per_phase(spans) == {"warm-up": 120, "compressed": 480}
-    assert spans == transforms.powersgd_phases(600, start_iter=120)
+    spans = transforms.CompressAfter(120).spans(600)
+    assert transforms.steps_per_phase(spans) == {"exact": 120, "compressed": 480}
 
 
 def test_compress_after_is_checked():
@@ -90,32 +91,76 @@ def test_compress_after_is_checked():
         with pytest.raises(ValueError, match="compress_after"):
             _tx(compress_after=bad)
     with pytest.raises(ValueError, match="compress_after"):
-        transforms.warm_up_phases(10, compress_after=-2)
+        transforms.CompressAfter(-2)
 
 
-def test_frozen_adam_is_optax_adam_until_the_freeze_then_nu_stays():
-    adam, frozen = optax.scale_by_adam(), transforms.scale_by_frozen_adam(3)
-    params = {"w": jnp.zeros(5), "m": jnp.zeros((2, 3))}
-    a, f = adam.init(params), frozen.init(params)
-    for i, g in enumerate([0.5, -1.0, 2.0, 40.0, -7.0]):
-        grads = jax.tree.map(lambda p, g=g: jnp.linspace(-1, 1, p.size).reshape(p.shape) * g,
-                             params)
-        ua, a = adam.update(grads, a)
-        uf, f = frozen.update(grads, f)
-        if i < 3:   # 1 - b2 ** t in float32 is good to about 2e-5 of itself at t = 3
-            jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4), uf, ua)
-            nu = f.nu
-        else:   # mu still follows Adam's; nu and its bias correction do not
-            jax.tree.map(np.testing.assert_array_equal, f.nu, nu)
-            jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6), f.mu, a.mu)
-    # AdamW: the same with decoupled weight decay and a schedule
-    w = {"w": jnp.linspace(-1, 1, 5)}
-    grads = {"w": jnp.linspace(2, 3, 5)}
-    ours = transforms.frozen_adamw(optax.linear_schedule(1e-2, 1e-3, 10), 4, weight_decay=0.1)
-    theirs = optax.adamw(optax.linear_schedule(1e-2, 1e-3, 10), weight_decay=0.1)
-    uo, _ = ours.update(grads, ours.init(w), w)
-    ut, _ = theirs.update(grads, theirs.init(w), w)
-    np.testing.assert_allclose(uo["w"], ut["w"], rtol=1e-6)
+# Mixed leaves: a matrix, a conv kernel, a vector, a scalar and a None (no parameter).
+ADAM_PARAMS = {"w": jnp.linspace(-1, 1, 12).reshape(3, 4), "k": jnp.ones((2, 2, 2, 3)),
+               "b": jnp.linspace(0, 1, 4), "s": jnp.float32(0.5), "none": None}
+
+
+def _adam_grads(t, scale=1.0):
+    rng = np.random.default_rng(t)
+    return jax.tree.map(lambda p: jnp.asarray(scale * rng.standard_normal(np.shape(p)),
+                                              jnp.float32), ADAM_PARAMS)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("mu_dtype", [None, jnp.bfloat16])
+def test_frozen_adamw_is_optax_adamw_bit_for_bit_until_the_freeze(nesterov, mu_dtype):
+    """Every setting of ``optax.adamw`` (masked weight decay, a schedule,
+    Nesterov, ``mu_dtype``), under jit: the same updates and moments, bit
+    for bit, for each of the ``freeze_after`` steps."""
+    settings = dict(b1=0.8, b2=0.99, eps=1e-6, eps_root=1e-9, mu_dtype=mu_dtype,
+                    weight_decay=0.1, mask=transforms.matrices(), nesterov=nesterov)
+    lr = optax.linear_schedule(1e-2, 1e-3, 10)
+    theirs, ours = optax.adamw(lr, **settings), transforms.frozen_adamw(lr, 5, **settings)
+    t_state, o_state = theirs.init(ADAM_PARAMS), ours.init(ADAM_PARAMS)
+    t_step, o_step = jax.jit(theirs.update), jax.jit(ours.update)
+    for t in range(5):
+        grads = _adam_grads(t)
+        ut, t_state = t_step(grads, t_state, ADAM_PARAMS)
+        uo, o_state = o_step(grads, o_state, ADAM_PARAMS)
+        assert jax.tree.structure(uo) == jax.tree.structure(ut)
+        jax.tree.map(np.testing.assert_array_equal, uo, ut)
+        adam, frozen = t_state[0], o_state[0]
+        jax.tree.map(np.testing.assert_array_equal, (frozen.mu, frozen.nu), (adam.mu, adam.nu))
+        assert int(frozen.count) == int(frozen.nu_count) == t + 1
+    # the decay was masked: the bias and the scalar got none, the kernel some
+    wd = transforms.frozen_adamw(1.0, 5, weight_decay=1.0, mask=transforms.matrices())
+    zeros = jax.tree.map(jnp.zeros_like, ADAM_PARAMS)
+    decayed, _ = wd.update(zeros, wd.init(ADAM_PARAMS), ADAM_PARAMS)
+    np.testing.assert_array_equal(decayed["k"], -ADAM_PARAMS["k"])
+    assert float(decayed["b"].sum()) == 0.0 and float(decayed["s"]) == 0.0
+
+
+def test_frozen_adam_nu_stays_after_the_freeze():
+    """After ``freeze_after`` steps a huge gradient (its square overflows
+    float32) leaves ``nu`` exactly as it was; the update is Adam's ``mu``
+    step by hand over ``nu`` with the bias correction of step
+    ``freeze_after``, while ``mu`` goes on as optax's."""
+    b1, b2, eps, k = 0.9, 0.999, 1e-8, 3
+    frozen, adam = transforms.scale_by_frozen_adam(k), optax.scale_by_adam()
+    f, a = frozen.init(ADAM_PARAMS), adam.init(ADAM_PARAMS)
+    step, adam_step = jax.jit(frozen.update), jax.jit(adam.update)
+    for t in range(k):
+        _, f = step(_adam_grads(t), f)
+        _, a = adam_step(_adam_grads(t), a)
+    nu = f.nu
+    for t in range(k, k + 2):
+        grads = _adam_grads(t, scale=1e30)
+        mu = jax.tree.map(lambda m, g: b1 * np.float64(m) + (1 - b1) * np.float64(g),
+                          f.mu, grads)
+        out, f = step(grads, f)
+        _, a = adam_step(grads, a)
+        jax.tree.map(np.testing.assert_array_equal, f.nu, nu)
+        assert int(f.nu_count) == k and int(f.count) == t + 1
+        jax.tree.map(np.testing.assert_array_equal, f.mu, a.mu)
+        hand = jax.tree.map(lambda m, v, t=t: m / (1 - b1 ** (t + 1)) / (
+            np.sqrt(np.float64(v) / (1 - b2 ** k)) + eps), mu, nu)
+        # float32's 1 - b2 ** 3 is good to about 2e-5 of itself; step 4's or 5's
+        # correction instead of step 3's would be 15% or 29% off
+        jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=3e-5), out, hand)
 
 
 def test_frozen_adam_settings_are_checked_and_mu_dtype_is_kept():
@@ -126,6 +171,36 @@ def test_frozen_adam_settings_are_checked_and_mu_dtype_is_kept():
     state = tx.init({"w": jnp.zeros(3)})
     _, state = tx.update({"w": jnp.ones(3)}, state)
     assert state.mu["w"].dtype == jnp.bfloat16 and state.nu["w"].dtype == jnp.float32
+
+
+def test_one_schedule_value_drives_the_freeze_and_the_compression():
+    """``freeze_after=CompressAfter(K)`` is ``freeze_after=K`` bit for bit;
+    chained after ``compress_after`` of the same value, Adam's ``nu`` takes
+    in exactly the K exact steps' gradients: the all-reduce's first
+    compressed step is the first that leaves ``nu`` as it was."""
+    k = 2
+    warm = transforms.CompressAfter(k)
+    by_int, by_value = transforms.frozen_adamw(1e-2, k), transforms.frozen_adamw(1e-2, warm)
+    a, b = by_int.init(ADAM_PARAMS), by_value.init(ADAM_PARAMS)
+    for t in range(4):
+        out_a, a = jax.jit(by_int.update)(_adam_grads(t), a, ADAM_PARAMS)
+        out_b, b = jax.jit(by_value.update)(_adam_grads(t), b, ADAM_PARAMS)
+        jax.tree.map(np.testing.assert_array_equal, (out_a, a), (out_b, b))
+    for bad in (transforms.CompressAfter(0), "2"):
+        with pytest.raises(ValueError, match="freeze_after"):
+            transforms.frozen_adamw(1e-2, bad)
+    tx = optax.chain(_tx(compress_after=warm), transforms.scale_by_frozen_adam(warm))
+    state = transforms.init_sharded(tx, _template(), mesh_of(N), "d")
+    step = sharded_update(tx, N, state)
+    nus = []
+    for t in range(k + 2):
+        _, state = step(_grads(t), state)
+        nus.append(jax.tree.map(np.asarray, state[1].nu))
+    changed = [any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(before),
+                                                              jax.tree.leaves(after)))
+               for before, after in zip(nus, nus[1:])]
+    assert changed == [True] + [False] * k    # step 2 (exact) moved nu; 3 and 4 did not
+    assert int(state[1].nu_count) == k
 
 
 def test_one_bit_adam_recipe_trains_on_devices():
@@ -161,7 +236,7 @@ def test_the_transformer_leaf_policy_keeps_vectors_and_embeddings_exact():
     mean = jax.tree.map(lambda g: g.mean(0), grads)
     policy = transforms.matrices(embeddings=False)
     for tx in (_tx(compress_if=policy),
-               transforms.powersgd("d", rank=2, key=jax.random.key(0), start_iter=0,
+               transforms.powersgd("d", rank=2, key=jax.random.key(0), compress_after=0,
                                    compress_if=policy)):
         state = transforms.init_sharded(tx, template, mesh_of(N), "d")
         out, _ = sharded_update(tx, N, state)(grads, state)
@@ -175,3 +250,35 @@ def test_the_transformer_leaf_policy_keeps_vectors_and_embeddings_exact():
         assert not np.allclose(out["mlp"]["kernel"], mean["mlp"]["kernel"], rtol=1e-3)
     assert transforms.matrices()((), jnp.zeros((3, 3))) and not transforms.matrices()(
         (), jnp.zeros(3))
+
+
+def test_matrices_is_one_rule_for_compression_and_for_optax_masks():
+    """`transforms.matrices()` as ``compress_if`` of `compressed_all_reduce`
+    (the bias and the scalar are the exact mean, the matrix and the conv
+    kernel are compressed) and as the mask of ``optax.add_decayed_weights``
+    (the same leaves decayed)."""
+    shapes = {"dense": {"bias": (40,), "kernel": (40, 48)}, "conv": {"kernel": (3, 3, 4, 8)},
+              "scale": ()}
+    matrix = {"dense": {"bias": False, "kernel": True}, "conv": {"kernel": True},
+              "scale": False}
+    rule = transforms.matrices()
+    params = jax.tree.map(lambda s: jnp.full(s, 2.0), shapes,
+                          is_leaf=lambda s: isinstance(s, tuple))
+    assert rule(params) == rule.mask(params) == matrix
+    assert rule == transforms.matrices(embeddings=True) != transforms.matrices(embeddings=False)
+    decay = optax.add_decayed_weights(0.5, mask=rule)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    decayed, _ = jax.jit(decay.update)(zeros, decay.init(params), params)
+    jax.tree.map(lambda d, m: np.testing.assert_array_equal(d, 1.0 if m else 0.0),
+                 decayed, matrix)
+    rng = np.random.default_rng(5)
+    grads = jax.tree.map(lambda s: rng.standard_normal((N,) + s).astype(np.float32), shapes,
+                         is_leaf=lambda s: isinstance(s, tuple))
+    tx = _tx(compress_if=rule)
+    state = transforms.init_sharded(tx, params, mesh_of(N), "d")
+    out, _ = sharded_update(tx, N, state)(grads, state)
+    for name in ("dense/bias", "scale", "dense/kernel", "conv/kernel"):
+        got, g = (functools.reduce(lambda t, k: t[k], name.split("/"), tree)
+                  for tree in (out, grads))
+        exact = np.allclose(got, g.mean(0), rtol=1e-5, atol=1e-6)
+        assert exact != functools.reduce(lambda t, k: t[k], name.split("/"), matrix), name

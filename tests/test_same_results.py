@@ -5,6 +5,7 @@ import shutil
 import subprocess
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from tests.helpers import example_script
@@ -19,7 +20,9 @@ def _module():
 def test_digest_sees_one_bit_and_nothing_else():
     digest = _module()._digest
     a = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.zeros(3, jnp.bfloat16)}
-    same = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.zeros(3, jnp.bfloat16)}
+    # the same bits built another way: from NumPy, the zeros cast from float32
+    same = {"w": jnp.asarray(np.array([[0.0, 1, 2], [3, 4, 5]], np.float32)),
+            "b": jnp.asarray(np.zeros(3, np.float32)).astype(jnp.bfloat16)}
     flipped = {"w": a["w"].at[1, 2].set(jnp.nextafter(a["w"][1, 2], 10.0)), "b": a["b"]}
     negative_zero = {"w": a["w"], "b": -a["b"]}
     assert digest(a) == digest(same)

@@ -12,20 +12,19 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
-from tests.helpers import per_device
+from tests.helpers import integers, normal, per_device
 
 
-def _integer_valued(key, shape, dtype=jnp.float32):
+def _integer_valued(seed, shape, dtype=jnp.float32):
     """Small integers: every sum is exact, so any summation order agrees."""
-    return jax.random.randint(key, shape, -8, 9).astype(dtype)
+    return integers(seed, shape, -8, 9, dtype)
 
 
 def _tree(n, blocks, seed=0):
     """Leaves of different shapes, scales, dtypes and sharded dimensions."""
-    k = jax.random.split(jax.random.key(seed), 4)
-    tree = {"w": _integer_valued(k[0], (n, n * blocks, 3)),
-            "v": 100.0 * _integer_valued(k[1], (n, 5, n * blocks)),
-            "b": _integer_valued(k[2], (n, n * blocks), jnp.bfloat16),
+    tree = {"w": _integer_valued((seed, 0), (n, n * blocks, 3)),
+            "v": 100.0 * _integer_valued((seed, 1), (n, 5, n * blocks)),
+            "b": _integer_valued((seed, 2), (n, n * blocks), jnp.bfloat16),
             "e": jnp.zeros((n, 0, n * blocks))}
     dims = {"w": 0, "v": 1, "b": 0, "e": 1}
     return tree, dims
@@ -35,29 +34,56 @@ def _keys(n):
     return jnp.stack([jax.random.key(0)] * n)
 
 
-@settings(max_examples=10, deadline=None)  # a compile per example
+def _float64(a):
+    return np.asarray(a).astype(np.float64)
+
+
+@settings(max_examples=10, deadline=None)  # two compiles per example
 @given(n=st.sampled_from([1, 2, 3, 4, 8]), blocks=st.integers(1, 5),
        exchange=st.sampled_from(qc.EXCHANGES), seed=st.integers(0, 99))
 def test_identity_equals_psum_scatter_and_all_gather(n, blocks, exchange, seed):
+    """Against ``lax.psum_scatter(tiled=True)`` and ``lax.all_gather(tiled=True)``
+    written in numpy (`test_identity_scatter_and_gather_are_the_lax_collectives`
+    runs the two lax collectives): device ``i`` holds block ``i`` of the sum
+    along the scattered dimension; gathered, every device holds the blocks
+    of all, in device order. Small integers: every sum is exact."""
     tree, dims = _tree(n, blocks, seed)
     scatter = per_device(lambda t, key: qc.compressed_reduce_scatter(
         t, "d", qc.identity(), key, scatter_dimension=dims, exchange=exchange), n)
     out = scatter(tree, _keys(n))
-    want = per_device(lambda t: {name: lax.psum_scatter(leaf, "d", scatter_dimension=dims[name],
-                                                        tiled=True)
-                                 for name, leaf in t.items()}, n)(tree)
     for name in tree:
         assert out.value[name].dtype == tree[name].dtype
-        np.testing.assert_array_equal(np.asarray(out.value[name]), np.asarray(want[name]))
+        total = _float64(tree[name]).sum(0)
+        want = np.stack(np.split(total, n, axis=dims[name]))
+        np.testing.assert_array_equal(_float64(out.value[name]), want)
         np.testing.assert_array_equal(np.asarray(out.contributed[name]),
                                       np.asarray(tree[name]))
     gather = per_device(lambda t: qc.compressed_all_gather(
         t, "d", qc.identity(), gather_dimension=dims).value, n)
     got = gather(out.value)
-    want = per_device(lambda t: {name: lax.all_gather(leaf, "d", axis=dims[name], tiled=True)
-                                 for name, leaf in t.items()}, n)(out.value)
     for name in tree:
-        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]))
+        whole = np.concatenate(list(_float64(out.value[name])), axis=dims[name])
+        assert got[name].dtype == tree[name].dtype
+        np.testing.assert_array_equal(_float64(got[name]), np.stack([whole] * n))
+
+
+def test_identity_scatter_and_gather_are_the_lax_collectives():
+    """The numpy references of the property above are ``lax.psum_scatter``
+    and ``lax.all_gather`` (tiled) on the same tree."""
+    n = 3
+    tree, dims = _tree(n, 2, seed=1)
+
+    def both(t):
+        scattered = {k: lax.psum_scatter(a, "d", scatter_dimension=dims[k], tiled=True)
+                     for k, a in t.items()}
+        return scattered, {k: lax.all_gather(a, "d", axis=dims[k], tiled=True)
+                           for k, a in scattered.items()}
+    scattered, gathered = per_device(both, n)(tree)
+    for name in tree:
+        total = _float64(tree[name]).sum(0)
+        np.testing.assert_array_equal(_float64(scattered[name]),
+                                      np.stack(np.split(total, n, axis=dims[name])))
+        np.testing.assert_array_equal(_float64(gathered[name]), np.stack([total] * n))
 
 
 @pytest.mark.parametrize("compressor", [qc.qsgd(bits=4, bucket_size=8), qc.onebit(),
@@ -66,7 +92,7 @@ def test_owner_sums_what_every_device_contributed(compressor):
     """The shard is the sum of the devices' decoded blocks: error feedback's
     ``x - contributed`` accounts for all the error (nothing is re-encoded)."""
     n = 4
-    x = jax.random.normal(jax.random.key(1), (n, n * 6, 8)) * jnp.arange(1, n * 6 + 1)[:, None]
+    x = normal(1, (n, n * 6, 8)) * jnp.arange(1, n * 6 + 1)[:, None]
     out = per_device(lambda v, key: qc.compressed_reduce_scatter(v, "d", compressor, key), n)(
         x, _keys(n))
     contributed = np.asarray(out.contributed).reshape(n, n, 6, 8)  # (device, block, ...)
@@ -77,7 +103,7 @@ def test_owner_sums_what_every_device_contributed(compressor):
 def test_stochastic_compressor_is_unbiased_through_the_reduce_scatter():
     n, trials = 4, 300
     scales = jnp.array([1.0, 10.0, 0.1, 3.0])[:, None]
-    x = jax.random.normal(jax.random.key(2), (n, n * 16)) * scales
+    x = normal(2, (n, n * 16)) * scales
     scatter = per_device(lambda v, key: qc.compressed_reduce_scatter(
         v, "d", qc.qsgd(bits=2, bucket_size=16), key, mean=True).value, n)
     outs = np.stack([np.asarray(scatter(x, jnp.stack([jax.random.key(t)] * n)))
@@ -101,7 +127,7 @@ def test_error_feedback_telescopes_through_the_reduce_scatter():
     residual = jnp.zeros((n, n * 8))
     sent, total = 0.0, 0.0
     for t in range(steps):
-        g = jax.random.normal(jax.random.key(t), (n, n * 8))
+        g = normal(t, (n, n * 8))
         shard, residual = run(g, residual, jnp.stack([jax.random.key(t)] * n))
         sent = sent + np.asarray(shard, np.float64).reshape(-1)
         total = total + np.asarray(g, np.float64).sum(0)
@@ -133,7 +159,7 @@ def test_int8_weight_gather_rounds_to_nearest_per_block():
     quantizer: every value within half a level (max |block| / 254) of the
     weight, the same on every device."""
     n = 4
-    w = jax.random.normal(jax.random.key(3), (n, 256)) * jnp.linspace(0.01, 10, n)[:, None]
+    w = normal(3, (n, 256)) * jnp.linspace(0.01, 10, n)[:, None]
     int8 = qc.qsgd(bits=8, bucket_size=64, stochastic=False)
     gather = per_device(lambda s: qc.compressed_all_gather(s, "d", int8).value, n)
     got = np.asarray(gather(w))
@@ -148,7 +174,7 @@ def test_two_axes_scatter_compressed_across_nodes_only():
     only the compressed payloads cross the node axis."""
     mesh = jax.make_mesh((2, 4), ("node", "local"), devices=jax.devices()[:8])
     axes = ("node", "local")
-    x = _integer_valued(jax.random.key(4), (8, 8 * 3, 4))
+    x = _integer_valued(4, (8, 8 * 3, 4))
     sharding = NamedSharding(mesh, P(axes))
 
     def run(compressor):

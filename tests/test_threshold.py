@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import qcollect as qc
-from tests.helpers import per_device
+from tests.helpers import normal, per_device
 
 CODINGS = ("words", "golomb_rice")
 
@@ -89,7 +89,7 @@ def test_dtypes_and_lengths(coding):
     """Odd lengths and 16-bit dtypes, all in one program."""
     cases = [(jnp.float32, (0,)), (jnp.float32, (1,)), (jnp.float32, ()), (jnp.float32, (97,)),
              (jnp.bfloat16, (31, 3)), (jnp.float16, (13,)), (jnp.bfloat16, (2,))]
-    xs = [jax.random.normal(jax.random.key(7), shape, jnp.float32).astype(dtype)
+    xs = [normal(7, shape, jnp.float32).astype(dtype)
           for dtype, shape in cases]
     c = qc.threshold(0.5, capacity=0.5, coding=coding)
     decoded = jax.jit(lambda xs: [c.decode(c.encode(x)) for x in xs])(xs)
@@ -123,7 +123,7 @@ def test_non_finite_input_poisons_output(coding, capacity):
 @pytest.mark.parametrize("coding", CODINGS)
 def test_vmap_matches_per_example(coding):
     c = qc.threshold(1.0, capacity=0.2, coding=coding)
-    xs = jax.random.normal(jax.random.key(3), (5, 41))
+    xs = normal(3, (5, 41))
     ys = jax.jit(jax.vmap(lambda x: c.decode(c.encode(x))))(xs)
     for x, y in zip(xs, ys, strict=True):
         np.testing.assert_array_equal(y, roundtrip(c, x)[1])
@@ -189,7 +189,7 @@ def test_zero_payload_decodes_to_zero_through_cond():
 @pytest.mark.parametrize("coding", CODINGS)
 def test_overflow_inside_shard_map(coding):
     c = qc.threshold(0.1, capacity=3, coding=coding)
-    xs = jax.random.normal(jax.random.key(8), (2, 40))
+    xs = normal(8, (2, 40))
     ys = per_device(lambda x: c.decode(c.encode(x)), 2)(xs)
     for x, y in zip(np.asarray(xs), np.asarray(ys), strict=True):
         np.testing.assert_array_equal(y, reference(x, np.float32(0.1), 3)[0])

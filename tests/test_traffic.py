@@ -1,6 +1,7 @@
 """qc.memory_report: the bytes each compiled kernel reads and writes."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +56,26 @@ def test_loops_count_once_per_iteration_and_a_conditional_by_its_cheaper_branch(
     assert costly >= 16384 > cheap  # a floor counts the branch that moves least
     with pytest.raises(ValueError, match="branches"):
         qc.memory_report(branchy, x, True, branches="all")
+
+
+def test_a_loop_whose_trip_count_depends_on_data_raises_naming_it():
+    """A lax.while_loop bounded by an argument: XLA knows no trip count, so its
+    traffic would depend on data; the report names the loop, as wire_bytes
+    does, rather than count one trip. With the bound static every trip counts."""
+
+    def repeat(v, bound):
+        return lax.while_loop(lambda c: c[0] < bound,
+                              lambda c: (c[0] + 1, jnp.sin(c[1])), (0, v))[1]
+
+    x, bound = jnp.ones(4096), jnp.int32(3)
+    hlo = jax.jit(repeat).lower(x, bound).compile().as_text()
+    (loop,) = re.findall(r"%(while[\w.\-]*) = .* while\(", hlo)
+    for measure in (qc.memory_report, qc.memory_bytes):
+        with pytest.raises(ValueError, match=rf"while loop %{re.escape(loop)} in computation "
+                                             r"%\S+ \(body %\S+\) has no known trip count"):
+            measure(repeat, x, bound)
+    static = qc.memory_report(lambda v: repeat(v, 3), x)
+    assert {k.multiplicity for k in static if k.op == "fusion" and k.read >= 16384} == {3}
 
 
 def test_the_codec_of_a_compressed_all_reduce_reads_the_gradient_and_writes_the_sum():

@@ -146,11 +146,11 @@ def test_error_feedback_telescopes(compressor):
         g = jax.device_put(grads[t], NamedSharding(mesh, P("d")))
         u, state = jax.block_until_ready(step(state, g))
         total_updates = total_updates + np.asarray(u, np.float64)
-    lhs = N * total_updates + np.asarray(state.residual, np.float64).sum(0) \
-        + np.asarray(state.owner_residual, np.float64).sum(0)
+    lhs = N * total_updates + np.asarray(state.feedback.residual, np.float64).sum(0) \
+        + np.asarray(state.feedback.owner_residual, np.float64).sum(0)
     np.testing.assert_allclose(lhs, np.asarray(grads, np.float64).sum((0, 1)), rtol=1e-4,
                                atol=1e-4)
-    assert np.abs(np.asarray(state.residual)).max() > 0  # compression really was lossy
+    assert np.abs(np.asarray(state.feedback.residual)).max() > 0  # compression was lossy
 
 
 def test_state_round_trip_and_bit_identical_continuation():
@@ -162,8 +162,8 @@ def test_state_round_trip_and_bit_identical_continuation():
     tx = optax.chain(_tx(qc.qsgd(bits=4), key=jax.random.key(4), algorithm="pairwise",
                          min_size=5), optax.adam(0.05))
     ps, st, x, y = _start(tx, 1)
-    assert isinstance(st[0].residual["b"], optax.MaskedNode)
-    assert isinstance(st[0].owner_residual["b"], optax.MaskedNode)
+    assert isinstance(st[0].feedback.residual["b"], optax.MaskedNode)
+    assert isinstance(st[0].feedback.owner_residual["b"], optax.MaskedNode)
     step = sharded_step(tx, _loss, N, st)
     for _ in range(5):
         ps, st, _, _ = jax.block_until_ready(step(ps, st, x, y))
@@ -185,7 +185,7 @@ def test_state_round_trip_and_bit_identical_continuation():
         ps2, st2, _, _ = jax.block_until_ready(step(ps2, st2, x, y))
     for a, b in zip(jax.tree.leaves((ps, st)), jax.tree.leaves((ps2, st2)), strict=True):
         np.testing.assert_array_equal(_host(a), _host(b))
-    assert np.abs(np.asarray(st[0].owner_residual["w"])).max() > 0  # really carried
+    assert np.abs(np.asarray(st[0].feedback.owner_residual["w"])).max() > 0  # really carried
 
 
 def test_state_structure_shapes_dtypes_unchanged():
@@ -198,7 +198,7 @@ def test_state_structure_shapes_dtypes_unchanged():
         lambda a, spec: jax.ShapeDtypeStruct(a.shape[1:] if spec == P("d") else a.shape,
                                              a.dtype), st[0], transforms.state_specs(st[0], "d"))
     assert jax.tree.structure(before) == jax.tree.structure(after)
-    assert isinstance(st[0].residual["b"], optax.MaskedNode)
+    assert isinstance(st[0].feedback.residual["b"], optax.MaskedNode)
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype
 
@@ -222,8 +222,8 @@ def test_non_finite_step_is_skipped_and_residuals_kept():
     ps_bad, st_bad, _, _ = jax.block_until_ready(steps[True](ps, st, x, y))
     for a, b in zip(jax.tree.leaves(ps), jax.tree.leaves(ps_bad), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # step skipped
-    for a, b in zip(jax.tree.leaves(st[0].residual), jax.tree.leaves(st_bad[0].residual),
-                    strict=True):
+    for a, b in zip(jax.tree.leaves(st[0].feedback.residual),
+                    jax.tree.leaves(st_bad[0].feedback.residual), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # not poisoned
     assert int(np.asarray(st_bad[1].total_notfinite)) == 1
     ps_next, _, loss, _ = jax.block_until_ready(steps[False](ps_bad, st_bad, x, y))
@@ -264,8 +264,8 @@ def test_leaf_policy_min_size_predicate_and_per_leaf_choice():
         transforms.leaf_compressors(params, lambda p, leaf: "qsgd")
     # Small leaves keep no residual; compressed ones do.
     state = _tx(choose, key=jax.random.key(0), min_size=16).init(params)
-    assert isinstance(state.residual["b"], optax.MaskedNode)
-    assert state.residual["w"].shape == (64, 8)
+    assert isinstance(state.feedback.residual["b"], optax.MaskedNode)
+    assert state.feedback.residual["w"].shape == (64, 8)
 
 
 def test_bad_config():
@@ -289,8 +289,8 @@ def test_numpy_integers_are_settings_like_ints():
     tx = _tx(qc.identity(), key=jax.random.key(0), min_size=np.int64(16),
              bucket_bytes=np.int64(1 << 20), pipeline=np.int64(2))
     state = tx.init(params)
-    assert state.residual["w"].shape == (8, 8)
-    assert isinstance(state.residual["b"], optax.MaskedNode)
+    assert state.feedback.residual["w"].shape == (8, 8)
+    assert isinstance(state.feedback.residual["b"], optax.MaskedNode)
 
 
 def test_pipeline_pieces_keep_the_update_and_residuals():
@@ -305,8 +305,8 @@ def test_pipeline_pieces_keep_the_update_and_residuals():
 
     (p1, s1, l1), (p3, s3, l3) = run(1), run(3)
     np.testing.assert_allclose(l3, l1, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves((p1, s1[0].residual)), jax.tree.leaves((p3, s3[0].residual)),
-                    strict=True):
+    for a, b in zip(jax.tree.leaves((p1, s1[0].feedback.residual)),
+                    jax.tree.leaves((p3, s3[0].feedback.residual)), strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5)
 
 
@@ -322,8 +322,8 @@ def test_batched_buckets_keep_the_update_and_residuals():
 
     (pb, sb, lb), (pt, st, lt) = run("always"), run("never")
     np.testing.assert_allclose(lb, lt, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves((pb, sb[0].residual, sb[0].owner_residual)),
-                    jax.tree.leaves((pt, st[0].residual, st[0].owner_residual)), strict=True):
+    for a, b in zip(jax.tree.leaves((pb, sb[0].feedback)), jax.tree.leaves((pt, st[0].feedback)),
+                    strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
@@ -355,7 +355,7 @@ def test_pmap_path():
     ps, st, losses = pmap_train(tx, _loss, params, x[:n], y[:n], 60, n)
     assert losses[-1] < 0.1 * losses[0]
     np.testing.assert_array_equal(np.asarray(ps["w"][0]), np.asarray(ps["w"][3]))
-    residual = np.asarray(st[0].residual["w"])
+    residual = np.asarray(st[0].feedback.residual["w"])
     assert residual.shape == (n, DIM, OUT)
     assert np.abs(residual[0] - residual[1]).max() > 0  # per device, not replicated
 
@@ -400,8 +400,8 @@ def test_update_is_invariant_and_leaves_shard_map_replicated(algorithm, n):
             assert np.isfinite(np.asarray(u[name], np.float32)).all()
         np.testing.assert_allclose(np.asarray(u_exact[name], np.float32), mean, rtol=tol,
                                    atol=tol)
-        assert s_lossy.residual[name].shape == (n,) + g.shape[1:]
-        assert s_lossy.residual[name].sharding.spec[0] == "d"
+        assert s_lossy.feedback.residual[name].shape == (n,) + g.shape[1:]
+        assert s_lossy.feedback.residual[name].sharding.spec[0] == "d"
     assert int(s_exact.count) == int(s_lossy.count) == 1
 
 
@@ -423,7 +423,7 @@ def _invariant_grads_step(tx):
 # Every transformation that all-reduces gradients, each with a residual for "w".
 GRADIENT_TRANSFORMS = {
     "compressed_all_reduce": lambda: _tx(qc.qsgd(bits=4), key=jax.random.key(0)),
-    "powersgd": lambda: transforms.powersgd("d", rank=1, key=jax.random.key(0), start_iter=0),
+    "powersgd": lambda: transforms.powersgd("d", rank=1, key=jax.random.key(0), compress_after=0),
     "gradiveq": lambda: transforms.gradiveq("d", key=jax.random.key(0), slice_size=4, rank=1),
 }
 
@@ -535,9 +535,9 @@ def test_state_specs_of_a_chain_with_adam():
                          min_size=5), optax.adam(0.05))
     specs = transforms.state_specs(jax.eval_shape(tx.init, params), "d")
     assert sorted(_assert_per_device_exactly(specs)) == [
-        "[0].owner_residual['w']", "[0].residual['w']"]
-    assert isinstance(specs[0].residual["b"], optax.MaskedNode)
-    assert isinstance(specs[0].owner_residual["b"], optax.MaskedNode)
+        "[0].feedback.owner_residual['w']", "[0].feedback.residual['w']"]
+    assert isinstance(specs[0].feedback.residual["b"], optax.MaskedNode)
+    assert isinstance(specs[0].feedback.owner_residual["b"], optax.MaskedNode)
     assert specs[0].key == specs[0].count == P()
     assert jax.tree.leaves(specs[1]) and all(s == P() for s in jax.tree.leaves(specs[1]))
     # The same specs as those of the placed state.
@@ -550,15 +550,15 @@ def test_state_specs_through_optax_partition():
     params = {"w": jnp.zeros((DIM, OUT)), "b": jnp.zeros((OUT,))}
     labels = {"w": "low_rank", "b": "quantized"}
     tx = optax.chain(optax.partition({
-        "low_rank": transforms.powersgd("d", rank=1, key=jax.random.key(0), start_iter=1),
+        "low_rank": transforms.powersgd("d", rank=1, key=jax.random.key(0), compress_after=1),
         "quantized": _tx(qc.qsgd(bits=8), key=jax.random.key(1))}, labels), optax.adam(0.05))
     specs = transforms.state_specs(jax.eval_shape(tx.init, params), "d")
     assert sorted(_assert_per_device_exactly(specs)) == [
         "[0].inner_states['low_rank'].inner_state.residuals['w']",
-        "[0].inner_states['quantized'].inner_state.residual['b']"]
+        "[0].inner_states['quantized'].inner_state.feedback.residual['b']"]
     inner = specs[0].inner_states
     assert isinstance(inner["low_rank"].inner_state.residuals["b"], optax.MaskedNode)
-    assert isinstance(inner["quantized"].inner_state.residual["w"], optax.MaskedNode)
+    assert isinstance(inner["quantized"].inner_state.feedback.residual["w"], optax.MaskedNode)
     assert all(s == P() for s in jax.tree.leaves(specs[1]))      # adam's moments
     params, x, y = _problem()
     ps, st, losses = train_sharded(tx, _loss, params, x, y, 3, N)

@@ -21,7 +21,7 @@ from tests.helpers import (
     sharded_update,
     stacked,
 )
-from transforms._gradiveq_cycle import Schedule
+from transforms._gradiveq_cycle import GradiVeQCycle
 from transforms._gradiveq_sums import sum_on_pca_ring, sum_sampled
 
 N = 8
@@ -41,10 +41,11 @@ def _init(tx, params):
 
 
 def _grads(seed):
-    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    """NumPy's draws (a `jax.random` draw compiles a program per shape)."""
+    rng = np.random.default_rng(seed)
     # w: 24 slices of K; v: 9 full slices and a 1-value tail; b: uncompressed.
-    return {"w": jax.random.normal(k1, (N, 24, K)), "v": jax.random.normal(k2, (N, 13, 7)),
-            "b": jax.random.normal(k3, (N, K))}
+    return {name: jnp.asarray(rng.standard_normal(shape, dtype=np.float32))
+            for name, shape in (("w", (N, 24, K)), ("v", (N, 13, 7)), ("b", (N, K)))}
 
 
 def _slices(x):
@@ -373,13 +374,13 @@ def test_numpy_integers_are_settings_like_ints():
 
 
 def test_schedule_phases():
-    """Warm-up, then cycles of L_t sampling and L_c compressed steps: the fit
+    """Lead-in, then cycles of L_t sampling and L_c compressed steps: the fit
     after the last sampling step, the cycle's end at the last compressed one."""
-    schedule = Schedule(warmup_steps=2, sample_steps=2, compressed_steps=3)
+    schedule = GradiVeQCycle(warmup_steps=2, sample_steps=2, compressed_steps=3)
     phases = [schedule.phase(jnp.int32(t), jnp.int32(2)) for t in range(10)]
-    kinds = ["sample" if p.sampling else "compress" if p.compressing else "warm-up"
+    kinds = ["sample" if p.sampling else "compress" if p.compressing else "lead-in"
              for p in phases]
-    assert kinds == ["warm-up"] * 2 + ["sample"] * 2 + ["compress"] * 3 + ["sample"] * 2 + [
+    assert kinds == ["lead-in"] * 2 + ["sample"] * 2 + ["compress"] * 3 + ["sample"] * 2 + [
         "compress"]
     assert [int(p.slot) for p in phases if p.sampling] == [0, 1, 0, 1]
     assert [t for t, p in enumerate(phases) if p.fits] == [3, 8]
@@ -390,17 +391,22 @@ def test_schedule_phases():
 
 
 def test_phases_schedule_agrees_with_the_traced_schedule():
-    """`transforms.gradiveq_phases` names each step as `Schedule.phase` places it."""
+    """`transforms.gradiveq_phases` names each step as `GradiVeQCycle.phase`
+    places it, and so does the cycle's own ``at`` and ``spans``."""
     for warmup, sample, compressed in ((2, 2, 3), (0, 1, 4), (5, 3, 1)):
-        schedule = Schedule(warmup, sample, compressed)
+        schedule = GradiVeQCycle(warmup, sample, compressed)
         traced = []
         for t in range(23):
             p = schedule.phase(jnp.int32(t), jnp.int32(warmup))
             traced.append("sampling" if p.sampling else "compressed" if p.compressing
-                          else "warm-up")
+                          else "lead-in")
+            at = schedule.at(t)
+            assert (bool(at.sampling), bool(at.compressing)) == (bool(p.sampling),
+                                                                 bool(p.compressing))
         spans = transforms.gradiveq_phases(23, warmup_steps=warmup, sample_steps=sample,
                                            compressed_steps=compressed)
         assert [s.name for s in spans for _ in range(s.start, s.stop)] == traced
+        assert spans == schedule.spans(23)
         assert spans[-1].stop == 23
     assert transforms.gradiveq_phases(0) == ()
     import inspect
@@ -414,11 +420,11 @@ def test_phases_schedule_agrees_with_the_traced_schedule():
 
 
 def test_each_phase_is_measured_by_name():
-    """Leaves of several shapes and scales: warm-up and sampling steps send what
+    """Leaves of several shapes and scales: lead-in and sampling steps send what
     the sample compressor's all-reduce of the compressed leaves and an exact
     one of the others send, the compressed steps the PCA rings (exactly:
-    r coefficients per slice and a weight per chunk); without warm-up steps
-    there is no warm-up phase."""
+    r coefficients per slice and a weight per chunk); without lead-in steps
+    (``warmup_steps=0``) there is no lead-in phase."""
     rank = 2
     shapes = {"w": (24, K), "v": (13, 7), "b": (K,)}
     rng = np.random.default_rng(0)
@@ -447,10 +453,10 @@ def test_each_phase_is_measured_by_name():
     assert bias == 2 * (N - 1) / N * 4 * K
     assert exact == 2 * (N - 1) / N * 4 * (24 * K + 13 * 7 + K)
     assert by_phase(warmup_steps=2) == {"compressed": pca + bias, "sampling": sampled,
-                                        "warm-up": sampled}
+                                        "lead-in": sampled}
     assert by_phase() == {"compressed": pca + bias, "sampling": sampled}
     assert by_phase(warmup_steps=1, sample_compressor=None) == {
-        "compressed": pca + bias, "sampling": exact, "warm-up": exact}
+        "compressed": pca + bias, "sampling": exact, "lead-in": exact}
 
 
 @pytest.mark.parametrize("kwargs, shapes, match", [
@@ -458,7 +464,7 @@ def test_each_phase_is_measured_by_name():
     ({}, {"w": (24, K), "b": (K,)}, r"not the one init saw.*\['v'\]"),       # missing leaf
     ({}, {"w": (24, 11), "v": (13, 7), "b": (K,)},
      r"residual of \['w'\] has shape \(1, 24, 10\), expected \(24, 11\)"),
-    (dict(error_feedback=False), {"w": (1, K), "v": (13, 7), "b": (K,)},
+    (dict(error_feedback=None), {"w": (1, K), "v": (13, 7), "b": (K,)},
      r"samples of \['w'\] has shape \(3, 20\), expected \(3, 10\)"),
     ({}, {"w": (24, K), "v": (13, 7), "b": (K, K)},
      r"leaf \['b'\] of shape \(10, 10\) is compressed, but init saw it uncompressed"),

@@ -1,5 +1,7 @@
 """transforms.powersgd: PyTorch powerSGD_hook semantics, error feedback, state, NaN policy."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,6 +50,17 @@ def _init(tx, template, n=N):
     return transforms.init_sharded(tx, template, mesh_of(n), "d")
 
 
+def _abstract_state(tx, template, n=N):
+    """The shapes, dtypes and shardings of `_init`'s state, traced (not compiled):
+    enough to compile a step for `qcollect.wire_bytes` without initialising
+    (PowerSGD's jitted init, its first Q, compiles for seconds)."""
+    abstract = jax.eval_shape(tx.init, template)
+    mesh = mesh_of(n)
+    return jax.tree.map(lambda a, spec: jax.ShapeDtypeStruct(
+        a.shape if spec == P() else (n,) + a.shape, a.dtype, sharding=NamedSharding(mesh, spec)),
+        abstract, transforms.state_specs(abstract, "d"))
+
+
 SHAPES = {"a": (6, 10), "c": (12, 4), "k": (3, 2, 2, 5), "v": (7,)}
 
 
@@ -62,9 +75,9 @@ def _template(shapes=SHAPES):
 
 # ---------------------------------------------------------------- tests
 
-def test_before_start_iter_equals_optax_with_pmean():
+def test_before_compress_after_equals_optax_with_pmean():
     inner = optax.adam(0.05)
-    tx = optax.chain(transforms.powersgd("d", rank=1, key=jax.random.key(0), start_iter=100),
+    tx = optax.chain(transforms.powersgd("d", rank=1, key=jax.random.key(0), compress_after=100),
                      inner)
     ours, state, l1 = _train(tx, 12)
     theirs, _, l2 = _train(optax.chain(_pmean_tx(), inner), 12)
@@ -78,7 +91,7 @@ def test_before_start_iter_equals_optax_with_pmean():
 
 @pytest.mark.parametrize("warm_start", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_full_rank_equals_uncompressed_mean(warm_start):
-    tx = transforms.powersgd("d", rank=12, key=jax.random.key(1), start_iter=0,
+    tx = transforms.powersgd("d", rank=12, key=jax.random.key(1), compress_after=0,
                              warm_start=warm_start, min_compression_rate=1e-3)
     state = _init(tx, _template())
     assert all(state.residuals[k].shape[1:] == SHAPES[k] for k in "ack")
@@ -94,7 +107,7 @@ def test_full_rank_equals_uncompressed_mean(warm_start):
 
 def test_error_feedback_telescopes():
     """Steps 0-1 uncompressed, 2-5 rank 1: sum of updates + mean residual == sum of means."""
-    tx = transforms.powersgd("d", rank=1, key=jax.random.key(2), start_iter=2)
+    tx = transforms.powersgd("d", rank=1, key=jax.random.key(2), compress_after=2)
     state = _init(tx, _template())
     run = sharded_update(tx, N, state)
     total_update = jax.tree.map(lambda a: np.zeros(a.shape, np.float64), _template())
@@ -114,8 +127,8 @@ def test_error_feedback_telescopes():
 
 def _primitives(shapes, name, **kwargs):
     """``name`` primitives in the traced update of ``shapes`` (rank 2, compressed from step 0)."""
-    tx = transforms.powersgd("d", rank=2, key=jax.random.key(4), start_iter=0, **kwargs)
-    state = _init(tx, _template(shapes))
+    tx = transforms.powersgd("d", rank=2, key=jax.random.key(4), compress_after=0, **kwargs)
+    state = _abstract_state(tx, _template(shapes))  # traced only: no state to compute
     run = sharded_update(tx, N, state)
     grads = jax.device_put(_grads(0, shapes=shapes), NamedSharding(mesh_of(N), P("d")))
     return count_primitives(jax.make_jaxpr(run.mapped)(grads, state).jaxpr, name)
@@ -186,7 +199,7 @@ def test_leaves_of_one_shape_are_reduced_each_on_its_own():
     a vector equal float64 leaf-by-leaf PowerSGD from the same first Q (no
     leaf of a class leaks into another)."""
     shapes = {"a": (16, 12), "b": (16, 12), "c": (24, 8), "e": (16, 12), "v": (7,)}
-    tx = transforms.powersgd("d", rank=2, key=jax.random.key(7), start_iter=0)
+    tx = transforms.powersgd("d", rank=2, key=jax.random.key(7), compress_after=0)
     state = _init(tx, _template(shapes))
 
     def grads(t):
@@ -206,16 +219,21 @@ MLP_SHAPES = {"l0": (784, 2048), "l1": (2048, 2048), "l2": (2048, 2048), "out": 
 MLP_SCALES = {"l0": 1e-3, "l1": 1e-2, "l2": 3e-4, "out": 1e-1, "b1": 1.0}
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _gradient_like(seed, shape, n, scale):
+    """A shared rank-8 part plus per-device noise, scaled: one compiled
+    program per shape, not one per operation and shape."""
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    rows, cols = int(np.prod(shape[:-1])), shape[-1]
+    shared = (jax.random.normal(k1, (rows, 8)) @ jax.random.normal(k2, (8, cols)))
+    noise = jax.random.normal(k3, (n,) + shape)
+    return scale * (shared.reshape(shape) + 0.5 * noise)
+
+
 def _mlp_grads(t, n):
     """Gradient-like leaves: a shared rank-8 part plus per-device noise, scaled."""
-    out = {}
-    for i, (name, shape) in enumerate(MLP_SHAPES.items()):
-        k1, k2, k3 = jax.random.split(jax.random.key(100 * t + i), 3)
-        rows, cols = int(np.prod(shape[:-1])), shape[-1]
-        shared = (jax.random.normal(k1, (rows, 8)) @ jax.random.normal(k2, (8, cols)))
-        noise = jax.random.normal(k3, (n,) + shape)
-        out[name] = np.asarray(MLP_SCALES[name] * (shared.reshape(shape) + 0.5 * noise))
-    return out
+    return {name: np.asarray(_gradient_like(100 * t + i, shape, n, MLP_SCALES[name]))
+            for i, (name, shape) in enumerate(MLP_SHAPES.items())}
 
 
 def test_stacked_step_equals_leaf_by_leaf_at_mlp_size():
@@ -225,7 +243,7 @@ def test_stacked_step_equals_leaf_by_leaf_at_mlp_size():
     size-1 batch (`qcollect.orthogonalize`): the output layer's update was off
     by 94% at the first step and training diverged."""
     n = 4
-    tx = transforms.powersgd("d", rank=4, key=jax.random.key(0), start_iter=0)
+    tx = transforms.powersgd("d", rank=4, key=jax.random.key(0), compress_after=0)
     state = _init(tx, _template(MLP_SHAPES), n)
     run = sharded_update(tx, n, state)
     grads = [_mlp_grads(t, n) for t in range(5)]
@@ -237,11 +255,11 @@ def test_stacked_step_equals_leaf_by_leaf_at_mlp_size():
 def test_least_squares_converges_like_uncompressed():
     """Rank-2 PowerSGD of a 32 x 16 weight on 8 devices reaches the uncompressed loss.
 
-    After 120 SGD steps (lr 0.1, 20 uncompressed warm-up steps) the loss is
+    After 120 SGD steps (lr 0.1, 20 uncompressed steps first) the loss is
     within 10% of the uncompressed run's (measured: 1.49e-3 both, the noise
     floor) and 100x below the start (519.7).
     """
-    tx = optax.chain(transforms.powersgd("d", rank=2, key=jax.random.key(3), start_iter=20),
+    tx = optax.chain(transforms.powersgd("d", rank=2, key=jax.random.key(3), compress_after=20),
                      optax.sgd(0.1))
     _, state, losses = _train(tx, 120)
     _, _, ref = _train(optax.chain(_pmean_tx(), optax.sgd(0.1)), 120)
@@ -253,7 +271,7 @@ def test_least_squares_converges_like_uncompressed():
 
 def test_state_structure_shapes_and_dtypes_unchanged():
     shapes = dict(SHAPES, h=(8, 9))
-    tx = transforms.powersgd("d", rank=2, key=jax.random.key(4), start_iter=1)
+    tx = transforms.powersgd("d", rank=2, key=jax.random.key(4), compress_after=1)
     template = dict(_template(shapes), h=jnp.zeros((8, 9), jnp.bfloat16))
     state0 = _init(tx, template)
     run = sharded_update(tx, N, state0)
@@ -274,10 +292,10 @@ def test_state_structure_shapes_and_dtypes_unchanged():
 
 def test_bfloat16_matrix_gradients_keep_their_dtype_in_both_phases():
     """A bfloat16 matrix in the gradients: both phases return the gradients'
-    dtypes (the uncompressed warm-up's mean once came back float32 where the
+    dtypes (the exact steps' mean once came back float32 where the
     compressed branch casts back, and lax.cond refused the step). Integer
     leaves are refused by name (`tests/test_faults.py`)."""
-    tx = transforms.powersgd("d", rank=1, key=jax.random.key(7), start_iter=1)
+    tx = transforms.powersgd("d", rank=1, key=jax.random.key(7), compress_after=1)
     template = {"a": jnp.zeros((6, 10)), "h": jnp.zeros((6, 10), jnp.bfloat16)}
     state = _init(tx, template)
     run = sharded_update(tx, N, state)
@@ -290,7 +308,7 @@ def test_bfloat16_matrix_gradients_keep_their_dtype_in_both_phases():
 
 
 def test_nan_step_keeps_q_and_residuals():
-    tx = transforms.powersgd("d", rank=1, key=jax.random.key(5), start_iter=1)
+    tx = transforms.powersgd("d", rank=1, key=jax.random.key(5), compress_after=1)
     state = _init(tx, _template())
     run = sharded_update(tx, N, state)
     for t in range(2):
@@ -318,8 +336,8 @@ def test_wire_bytes_versus_uncompressed():
 
     template = _template(shapes)
     grads = jax.device_put(_grads(40, shapes=shapes), NamedSharding(mesh, P("d")))
-    tx = transforms.powersgd("d", rank=rank, key=jax.random.key(6), start_iter=0)
-    state = _init(tx, template)
+    tx = transforms.powersgd("d", rank=rank, key=jax.random.key(6), compress_after=0)
+    state = _abstract_state(tx, template)
     ours = qc.wire_bytes(sharded_update(tx, N, state).mapped, grads, state)
     plain = _pmean_tx()
     plain_state = _init(plain, template)
@@ -347,11 +365,11 @@ def test_flax_conv_kernel_is_compressed_with_the_default_view():
 
     @jax.jit
     def init_first(p):
-        return transforms.powersgd("d", rank=rank, key=jax.random.key(8), start_iter=0,
+        return transforms.powersgd("d", rank=rank, key=jax.random.key(8), compress_after=0,
                                    matrix_view="first").init(p)
     assert isinstance(init_first(template).q["conv"], optax.MaskedNode)
 
-    tx = transforms.powersgd("d", rank=rank, key=jax.random.key(8), start_iter=0)
+    tx = transforms.powersgd("d", rank=rank, key=jax.random.key(8), compress_after=0)
     state = _init(tx, template)
     assert state.q["conv"].shape == (16, rank) and isinstance(state.q["b"], optax.MaskedNode)
     assert state.residuals["conv"].shape == (N, 3, 3, 8, 16)
@@ -374,7 +392,7 @@ def test_flax_conv_kernel_is_compressed_with_the_default_view():
 def test_first_view_equals_default_on_matrices():
     """For 2-D leaves (and vectors) both views are the same matrix: identical steps."""
     shapes = {"a": (6, 10), "c": (12, 4), "h": (8, 9), "v": (7,)}
-    txs = [transforms.powersgd("d", rank=2, key=jax.random.key(9), start_iter=1, **kw)
+    txs = [transforms.powersgd("d", rank=2, key=jax.random.key(9), compress_after=1, **kw)
            for kw in ({}, {"matrix_view": "first"})]
     states = [_init(tx, _template(shapes))
               for tx in txs]
@@ -394,13 +412,13 @@ def test_first_view_equals_default_on_matrices():
 
 def test_pmap_matches_shard_map():
     n = 4
-    tx = optax.chain(transforms.powersgd("i", rank=2, key=jax.random.key(7), start_iter=3),
+    tx = optax.chain(transforms.powersgd("i", rank=2, key=jax.random.key(7), compress_after=3),
                      optax.sgd(0.1))
     params, x, y = _problem(n, seed=1)
     ps, st, losses = pmap_train(tx, _loss, params, x, y, 15, n)
     assert losses[-1] < 0.2 * losses[0]
     np.testing.assert_array_equal(np.asarray(ps["w"][0]), np.asarray(ps["w"][3]))
-    tx_sm = optax.chain(transforms.powersgd("d", rank=2, key=jax.random.key(7), start_iter=3),
+    tx_sm = optax.chain(transforms.powersgd("d", rank=2, key=jax.random.key(7), compress_after=3),
                         optax.sgd(0.1))
     ref, _, ref_losses = _train(tx_sm, 15, n=n, seed=1)
     np.testing.assert_allclose(np.asarray(ps["w"][0]), np.asarray(ref["w"]), rtol=1e-4,
@@ -408,7 +426,7 @@ def test_pmap_matches_shard_map():
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kwargs", [dict(rank=0), dict(rank=2.0), dict(rank=1, start_iter=-1),
+@pytest.mark.parametrize("kwargs", [dict(rank=0), dict(rank=2.0), dict(rank=1, compress_after=-1),
                                     dict(rank=1, min_compression_rate=0),
                                     dict(rank=1, matrix_view="rows")])
 def test_invalid_settings_raise(kwargs):
@@ -418,10 +436,10 @@ def test_invalid_settings_raise(kwargs):
 
 
 def test_numpy_numbers_are_settings_like_python_ones():
-    python = transforms.powersgd("d", rank=2, key=jax.random.key(0), start_iter=3,
+    python = transforms.powersgd("d", rank=2, key=jax.random.key(0), compress_after=3,
                                  min_compression_rate=2)
     numpy = transforms.powersgd("d", rank=np.int64(2), key=jax.random.key(0),
-                                start_iter=np.int64(3), min_compression_rate=np.float32(2))
+                                compress_after=np.int64(3), min_compression_rate=np.float32(2))
     template = _template()
     assert (jax.tree.map(jnp.shape, numpy.init(template))
             == jax.tree.map(jnp.shape, python.init(template)))
@@ -432,13 +450,13 @@ def test_numpy_numbers_are_settings_like_python_ones():
     ({}, {"a": (6, 10), "k": (3, 2, 2, 5)}, r"not the one init saw.*\['c'\]"),  # missing leaf
     ({}, {**SHAPES, "a": (6, 11)},
      r"local error of \['a'\] has shape \(1, 6, 10\), expected \(6, 11\)"),
-    (dict(error_feedback=False), {**SHAPES, "a": (6, 11)},
+    (dict(error_feedback=None), {**SHAPES, "a": (6, 11)},
      r"Q memory of \['a'\] has shape \(10, 1\), expected \(11, 1\)"),
     ({}, {**SHAPES, "v": (8, 16)}, r"leaf \['v'\] of shape \(8, 16\) is compressed, but init"),
 ])
 def test_update_on_another_tree_names_the_leaf(kwargs, shapes, match):
     """An update on a tree other than init's raises at trace time, naming the leaf."""
-    tx = transforms.powersgd("d", rank=1, key=jax.random.key(0), start_iter=0, **kwargs)
+    tx = transforms.powersgd("d", rank=1, key=jax.random.key(0), compress_after=0, **kwargs)
     abstract = jax.eval_shape(tx.init, _template())  # nothing compiles: all abstract
     mesh = mesh_of(2)
     state = jax.tree.map(lambda a, spec: jax.ShapeDtypeStruct(
@@ -451,10 +469,10 @@ def test_update_on_another_tree_names_the_leaf(kwargs, shapes, match):
 
 
 def test_each_phase_is_measured_by_name_and_the_schedule_says_how_many_steps():
-    """Leaves of several shapes and scales: the warm-up sends what an
+    """Leaves of several shapes and scales: the exact steps send what an
     uncompressed all-reduce of every leaf sends, the compressed phase what
-    PowerSGD alone (``start_iter=0``) sends, exactly; ``start_iter`` moves
-    steps between the phases, not bytes."""
+    PowerSGD alone (``compress_after=0``) sends, exactly; ``compress_after``
+    moves steps between the phases, not bytes."""
     shapes = {"w1": (256, 128), "w2": (128, 64), "conv": (3, 3, 8, 16), "b": (64,)}
     rank = 4
     rng = np.random.default_rng(0)
@@ -462,44 +480,53 @@ def test_each_phase_is_measured_by_name_and_the_schedule_says_how_many_steps():
                             .astype(np.float32) for i, (k, s) in enumerate(shapes.items())},
                            NamedSharding(mesh_of(N), P("d")))
 
+    def stepped(tx):
+        state = _abstract_state(tx, _template(shapes))
+        return sharded_update(tx, N, state).mapped, state
+
     def measured(tx, by_phase=True):
-        state = _init(tx, _template(shapes))
-        step = sharded_update(tx, N, state).mapped
+        step, state = stepped(tx)
         return (qc.wire_bytes_by_phase if by_phase else qc.wire_bytes)(step, grads, state)
 
     plain = measured(_pmean_tx(), by_phase=False)
-    alone = measured(transforms.powersgd("d", rank=rank, key=jax.random.key(0), start_iter=0),
-                     by_phase=False)
+    alone_step, alone_state = stepped(transforms.powersgd("d", rank=rank, key=jax.random.key(0),
+                                                          compress_after=0))
+    alone = qc.wire_bytes(alone_step, grads, alone_state)
     ring = lambda k: 2 * (N - 1) * -(-k // N) * 4  # noqa: E731
     # P and Q of each compressed leaf in one fused ring per round; the bias averaged.
     assert alone == (ring((256 + 128 + 72) * rank) + ring((128 + 64 + 16) * rank)
                      + 2 * (N - 1) / N * 4 * 64)
     assert plain == 2 * (N - 1) / N * 4 * sum(int(np.prod(s)) for s in shapes.values())
-    for start_iter in (30, None):
-        kwargs = {} if start_iter is None else {"start_iter": start_iter}
+    for first in (30, None):
+        kwargs = {} if first is None else {"compress_after": first}
         tx = transforms.powersgd("d", rank=rank, key=jax.random.key(0), **kwargs)
-        assert measured(tx) == {"compressed": alone, "warm-up": plain}
-    assert measured(transforms.powersgd("d", rank=rank, key=jax.random.key(0),
-                                        start_iter=0)) == {"compressed": alone}
-    # What 300 steps send: the default warms up for 10 steps; PyTorch's 1000 never compresses.
-    for start_iter, warm in ((None, 10), (30, 30), (1000, 300)):
-        kwargs = {} if start_iter is None else {"start_iter": start_iter}
-        spans = transforms.powersgd_phases(300, **kwargs)
+        assert measured(tx) == {"compressed": alone, "exact": plain}
+    # A count and its CompressAfter are one schedule: one program, the same bytes.
+    count, schedule = (stepped(transforms.powersgd("d", rank=rank, key=jax.random.key(0),
+                                                   compress_after=first))
+                       for first in (30, transforms.CompressAfter(30)))
+    assert str(jax.make_jaxpr(count[0])(grads, count[1])) == str(
+        jax.make_jaxpr(schedule[0])(grads, schedule[1]))
+    # By phase, the program compiled for `alone`: one phase.
+    assert qc.wire_bytes_by_phase(alone_step, grads, alone_state) == {"compressed": alone}
+    # What 300 steps send: the default's 10 exact steps first; PyTorch's 1000 never compresses.
+    for warm in (10, 30, 1000):
+        spans = transforms.CompressAfter(warm).spans(300)
+        exact = min(warm, 300)
         assert transforms.steps_per_phase(spans) == {
-            k: v for k, v in {"warm-up": warm, "compressed": 300 - warm}.items() if v}
-        per_phase = {"compressed": alone, "warm-up": plain}
+            k: v for k, v in {"exact": exact, "compressed": 300 - exact}.items() if v}
+        per_phase = {"compressed": alone, "exact": plain}
         assert sum((s.stop - s.start) * per_phase[s.name] for s in spans) == (
-            warm * plain + (300 - warm) * alone)
+            exact * plain + (300 - exact) * alone)
 
 
-def test_default_start_iter_is_short_and_matches_its_schedule():
+def test_default_compress_after_is_short():
     """Ten uncompressed steps by default (PyTorch's hook waits 1000), then
-    rank-``r`` updates; `transforms.powersgd_phases` has the same default."""
+    rank-``r`` updates."""
     import inspect
 
-    default = inspect.signature(transforms.powersgd).parameters["start_iter"].default
+    default = inspect.signature(transforms.powersgd).parameters["compress_after"].default
     assert default == 10
-    assert inspect.signature(transforms.powersgd_phases).parameters["start_iter"].default == default
     tx = transforms.powersgd("d", rank=1, key=jax.random.key(0))
     state = _init(tx, _template())
     run = sharded_update(tx, N, state)
@@ -511,7 +538,3 @@ def test_default_start_iter_is_short_and_matches_its_schedule():
                                        rtol=1e-5, atol=1e-6)
     update, _ = run(grads, state)  # the first compressed step: rank 1
     assert np.linalg.matrix_rank(np.asarray(update["a"]), tol=1e-5) == 1
-    with pytest.raises(ValueError, match="start_iter"):
-        transforms.powersgd_phases(10, start_iter=-1)
-    with pytest.raises(ValueError, match="steps"):
-        transforms.powersgd_phases(-1)

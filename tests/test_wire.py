@@ -261,6 +261,52 @@ def test_a_loop_condition_counts_once_more_than_the_body():
     assert report_from_hlo(silent) == []
 
 
+_KNOWN_LOOP_HLO = _LOOP_HLO.replace("TRIP", 'backend_config={"known_trip_count":{"n":"3"}}')
+
+
+def test_wire_bytes_and_memory_traffic_walk_the_program_alike():
+    """One walk serves both readers: a psum in a fori_loop of 5 trips is one
+    all-reduce that both count 5 times, a loop condition counts once more in
+    both, and a loop without a known trip count stops both with one message."""
+    from qcollect.measure import _traffic, _wire
+
+    n = 4
+    run = per_device(lambda u: lax.fori_loop(0, 5, lambda i, c: lax.pcast(
+        lax.psum(c, "d"), "d", to="varying") * 0.5, u), n)
+    args = run.shard(jnp.ones((n, 100)))
+    (op,) = qc.wire_report(run.mapped, *args)
+    (kernel,) = [k for k in qc.memory_report(run.mapped, *args) if k.op == "all-reduce"]
+    assert op.multiplicity == kernel.multiplicity == 5
+    assert op.computation == kernel.computation
+
+    (op,) = _wire.report_from_hlo(_KNOWN_LOOP_HLO)
+    (kernel,) = [k for k in _traffic.report_from_hlo(_KNOWN_LOOP_HLO) if k.op == "all-reduce"]
+    assert op.multiplicity == kernel.multiplicity == 4
+    unknown = _LOOP_HLO.replace(", TRIP", "")
+    said = set()
+    for read in (_wire.report_from_hlo, _traffic.report_from_hlo):
+        with pytest.raises(ValueError, match=r"while loop %while\.7 in computation %main "
+                                             r"\(body %body\) has no known trip count") as err:
+            read(unknown)
+        said.add(str(err.value).replace("wire bytes", "X").replace("memory traffic", "X"))
+    assert len(said) == 1 and "lax.fori_loop" in said.pop()
+
+
+def test_an_unknown_element_type_raises_naming_it():
+    """A byte count is never guessed: an element type the reader has no size
+    for stops every reader, naming the type."""
+    from qcollect.measure import _hlo, _traffic, _wire
+
+    assert _hlo.shape_bytes("(f32[4,8]{1,0}, s4[3], /*index=2*/token[])") == 128 + 1
+    with pytest.raises(ValueError, match="unknown HLO element type 'f7e1m2' in the shape"):
+        _hlo.shape_bytes("f7e1m2[8]{0}")
+    odd = _KNOWN_LOOP_HLO.replace("f32[8]", "f7e1m2[8]")
+    assert _hlo.parse(odd).shapes["v"] == "f7e1m2[8]{0}"  # parsing reads any type
+    for read in (_wire.report_from_hlo, _traffic.report_from_hlo):
+        with pytest.raises(ValueError, match="unknown HLO element type 'f7e1m2'"):
+            read(odd)
+
+
 # ------------------------------------------------------------------ phases
 
 def _phased(count_limit=10):

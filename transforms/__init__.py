@@ -11,6 +11,12 @@ is the guide, with a training step for each transformation.
 
 import qcollect as _qcollect
 
+# Importable from here but not in ``__all__``: the types of
+# ``compressed_all_reduce``'s ``state.feedback`` (``transforms.ResidualState``,
+# ``transforms.EF21State``) and of what ``diloco_schedule`` returns, reached
+# through those values; and the deprecated ``powersgd_phases`` and
+# ``warm_up_phases`` (``transforms.CompressAfter(K).spans(steps)``).
+
 if getattr(_qcollect, "__file__", None) is None:  # a folder, not the package
     raise ImportError(
         f"'import qcollect' found the folder {', '.join(_qcollect.__path__)}, not the "
@@ -25,6 +31,8 @@ from transforms._blocks import local_replica
 from transforms._checkpoint import restore_sharded
 from transforms._diloco import DiLoCoState, diloco
 from transforms._diloco_schedule import DiLoCoStep, diloco_schedule, fragment_masks
+from transforms._ef21 import EF21State
+from transforms._feedback import ef21, residual_feedback
 from transforms._finite import apply_if_finite
 from transforms._frozen_adam import FrozenAdamState, frozen_adamw, scale_by_frozen_adam
 from transforms._fsdp import (
@@ -38,10 +46,11 @@ from transforms._fsdp import (
     sharded_specs,
 )
 from transforms._gradiveq import GradiVeQState, gradiveq
+from transforms._gradiveq_cycle import gradiveq_phases
 from transforms._mean import mean_all_reduce
 from transforms._phases import (
+    CompressAfter,
     PhaseSpan,
-    gradiveq_phases,
     powersgd_phases,
     steps_per_phase,
     warm_up_phases,
@@ -49,13 +58,14 @@ from transforms._phases import (
 from transforms._placement import init_sharded, state_specs
 from transforms._policy import compressed_fraction, leaf_compressors, matrices, path_name
 from transforms._powersgd import PowerSGDState, powersgd
+from transforms._residual import ResidualState
 
 __all__ = [
     "FSDP",
     "AccumulateState",
+    "CompressAfter",
     "CompressedAllReduceState",
     "DiLoCoState",
-    "DiLoCoStep",
     "FSDPState",
     "FrozenAdamState",
     "GradiVeQState",
@@ -70,6 +80,7 @@ __all__ = [
     "compressed_model_averaging",
     "diloco",
     "diloco_schedule",
+    "ef21",
     "fragment_masks",
     "frozen_adamw",
     "fsdp",
@@ -83,7 +94,7 @@ __all__ = [
     "mean_all_reduce",
     "path_name",
     "powersgd",
-    "powersgd_phases",
+    "residual_feedback",
     "restore_sharded",
     "scale_by_frozen_adam",
     "shard_params",
@@ -91,5 +102,4 @@ __all__ = [
     "sharded_specs",
     "state_specs",
     "steps_per_phase",
-    "warm_up_phases",
 ]

@@ -58,7 +58,7 @@ def restore_sharded(checkpointer: Any, path: str | os.PathLike[str], target: Any
       >>> ckpt = ocp.StandardCheckpointer()
       >>> ckpt.save(path, state); ckpt.wait_until_finished()
       >>> restored = transforms.restore_sharded(ckpt, path, state, "data")
-      >>> bool((restored.residual["w"] == state.residual["w"]).all())
+      >>> bool((restored.feedback.residual["w"] == state.feedback.residual["w"]).all())
       True
     """
     abstract = jax.tree.map(

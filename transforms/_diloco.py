@@ -78,7 +78,7 @@ from transforms._blocks import device_block
 from transforms._diloco_schedule import (
     DiLoCoStep,
     FragmentOf,
-    Schedule,
+    DiLoCoSchedule,
     checked_schedule,
     fragment_masks,
 )
@@ -210,7 +210,7 @@ class _Settings(NamedTuple):
     inner: optax.GradientTransformation
     outer: optax.GradientTransformation
     reduce: optax.GradientTransformation
-    schedule: Schedule
+    schedule: DiLoCoSchedule
     fragment_of: FragmentOf | None
     mix: float
 
@@ -284,7 +284,7 @@ def _branches(masks: list[list[bool]], *, local: Any, params: Any, updates: Any,
     return branches
 
 
-def _branch_index(step: DiLoCoStep, schedule: Schedule) -> jax.Array:
+def _branch_index(step: DiLoCoStep, schedule: DiLoCoSchedule) -> jax.Array:
     """The index into `_branches` of what ``step`` does."""
     index = jnp.where(step.syncs >= 0, 1 + step.syncs, 0)
     after = 1 + schedule.fragments

@@ -20,8 +20,9 @@ import numpy as np
 import optax
 
 from qcollect.checks import check_int
+from transforms._phases import EXACT, INNER, OUTER, PhaseSpan, clipped
 
-__all__ = ["DiLoCoStep", "FragmentOf", "Schedule", "checked_schedule", "diloco_schedule",
+__all__ = ["DiLoCoSchedule", "DiLoCoStep", "FragmentOf", "checked_schedule", "diloco_schedule",
            "fragment_masks"]
 
 #: ``fragment_of(path, leaf) -> int``: the fragment a leaf belongs to.
@@ -128,8 +129,9 @@ def _balanced_runs(sizes: list[int], parts: int) -> list[list[int]]:
     return runs
 
 
-class Schedule(NamedTuple):
-    """The validated settings that make `diloco`'s schedule."""
+class DiLoCoSchedule(NamedTuple):
+    """The validated settings that make `diloco`'s schedule (a
+    `transforms._phases.Schedule`: ``at(count)`` and ``spans(steps)``)."""
 
     every: int
     fragments: int
@@ -154,8 +156,32 @@ class Schedule(NamedTuple):
         return DiLoCoStep(synchronous=count < self.sync_first, begins_rounds=done == 0,
                           syncs=syncs, lands=lands)
 
+    def spans(self, steps: int) -> tuple[PhaseSpan, ...]:
+        """Steps ``0 .. steps - 1`` as ``"exact"`` (the synchronous
+        warm start), ``"outer"`` (a fragment's outer step: it synchronises,
+        lands or the rounds begin) and ``"inner"`` (the workers' own steps).
 
-def checked_schedule(every: int, fragments: int, delay: int, sync_first: int) -> Schedule:
+        Example:
+          >>> checked_schedule(3, 1, 0, 2).spans(8)  # doctest: +NORMALIZE_WHITESPACE
+          (PhaseSpan(name='exact', start=0, stop=1), PhaseSpan(name='outer', start=1, stop=2),
+           PhaseSpan(name='inner', start=2, stop=4), PhaseSpan(name='outer', start=4, stop=5),
+           PhaseSpan(name='inner', start=5, stop=7), PhaseSpan(name='outer', start=7, stop=8))
+        """
+        steps = check_int("steps", steps, low=0)
+        at = jax.tree.map(np.asarray, self.at(np.arange(steps, dtype=np.int32)))
+        outer = (at.syncs >= 0) | (at.lands >= 0) | at.begins_rounds
+        names = np.where(at.synchronous & ~at.begins_rounds, EXACT,
+                         np.where(outer, OUTER, INNER))
+        runs, start = [], 0
+        for t in range(1, steps + 1):
+            if t == steps or names[t] != names[start]:
+                runs.append((str(names[start]), start, t))
+                start = t
+        return clipped(runs, steps)
+
+
+def checked_schedule(every: int, fragments: int, delay: int,
+                     sync_first: int) -> DiLoCoSchedule:
     """The schedule settings of `diloco`, checked; ValueError naming the first bad one."""
     every = check_int("every", every)
     fragments = check_int("fragments", fragments)
@@ -165,7 +191,7 @@ def checked_schedule(every: int, fragments: int, delay: int, sync_first: int) ->
     if delay and delay >= every // fragments:
         raise ValueError(f"delay must be below every // fragments ({every // fragments}), "
                          f"got {delay}")
-    return Schedule(every, fragments, delay, check_int("sync_first", sync_first, low=0))
+    return DiLoCoSchedule(every, fragments, delay, check_int("sync_first", sync_first, low=0))
 
 
 def diloco_schedule(count: jax.Array | int, *, every: int, fragments: int = 1, delay: int = 0,

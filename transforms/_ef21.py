@@ -1,7 +1,7 @@
 """What `transforms.compressed_all_reduce` sends and keeps beyond the classic
 residual: the EF21 estimator, its momentum variant, and rows without gradient.
 
-``error_feedback="ef21"`` (Richtárik, Sokolov and Fatkhullin, Algorithm 1):
+``error_feedback=transforms.ef21()`` (Richtárik, Sokolov and Fatkhullin, Algorithm 1):
 device i keeps an estimate ``g_i`` of its own gradient and compresses the
 difference ``grad_i - g_i``; ``g_i`` moves by what its own encodings decode
 to (``contributed``), and every device moves the replicated estimate ``g``
@@ -18,7 +18,7 @@ it). The hierarchical ``(outer, inner)`` all-reduce keeps the same relation.
 ``"ring_requantize"`` re-encodes at every hop, errors that belong to no
 device, and is refused.
 
-``ef21_momentum=eta`` (EF21-SGDM; Fatkhullin, Tyurin and Richtárik,
+``transforms.ef21(momentum=eta)`` (EF21-SGDM; Fatkhullin, Tyurin and Richtárik,
 Algorithm 1): each device first averages its gradients,
 ``v_i = (1 - eta) v_i + eta grad_i``, with ``v_i`` the first gradient at
 step 0 (the paper's ``v_i^0``), and EF21 then compresses ``v_i - g_i``.
@@ -47,8 +47,9 @@ References:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,39 +57,43 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import qcollect as qc
-from qcollect.checks import check_choice, check_float
 from transforms._axes import AxisName, mesh_axes
+from transforms._placement import per_device
 from transforms._policy import sum_uncompressed
 
-__all__ = ["ErrorFeedback", "Memory", "Reduced", "check_error_feedback", "ef21_compressed",
-           "ef21_exact", "live_rows", "owner_kept"]
-
-#: ``error_feedback`` of `transforms.compressed_all_reduce`: True or
-#: ``"residual"`` (Seide), False or ``"none"``, or ``"ef21"``.
-ErrorFeedback = bool | Literal["residual", "none", "ef21"]
-_CHOICES: tuple[ErrorFeedback, ...] = (True, False, "residual", "none", "ef21")
+__all__ = ["Context", "EF21State", "Reduce", "Reduced", "ef21_steps", "live_rows", "masked",
+           "where_live"]
 
 
-class Memory(NamedTuple):
-    """Each leaf's error-feedback state inside the step, in flatten order
-    (None where the leaf keeps none): the residual (``g_i`` under EF21),
-    the owner's re-encoding error, the replicated estimate ``g`` and the
-    momentum ``v_i``."""
+@per_device("local_estimate", "owner_residual", "momentum")
+class EF21State(NamedTuple):
+    """State of `transforms.ef21`.
 
-    residual: list[Any]
-    owner: list[Any]
-    estimate: list[Any]
-    momentum: list[Any]
+    Attributes:
+      local_estimate: per device (``P(axis_name)``): float32 tree like the
+        gradients, this device's estimate ``g_i`` of its own gradient (EF21
+        Algorithm 1); ``optax.MaskedNode()`` for leaves not compressed.
+      estimate: replicated (``P()``): the float32 estimate ``g``, the update
+        in its units (the mean or the sum of the ``g_i``).
+      owner_residual: per device: where the compressor runs pairwise
+        (``algorithm="pairwise"``, or ``"auto"`` with a non-linear
+        compressor) the owner's re-encoding error; else masked.
+      momentum: per device: with ``momentum``, EF21-SGDM's float32 ``v_i``;
+        else ``optax.MaskedNode()`` leaves.
+    """
+
+    local_estimate: Any
+    estimate: Any
+    owner_residual: Any
+    momentum: Any
 
 
 class Reduced(NamedTuple):
     """One compressed leaf after the all-reduce: the reduced value, what this
-    device's encodings decode to, ``input - contributed`` (None unless the
-    classic residual is kept) and the owner's error (None unless kept)."""
+    device's encodings decode to, and the owner's error (None unless kept)."""
 
     value: jax.Array
     contributed: jax.Array
-    residual: jax.Array | None
     owner_error: jax.Array | None
 
 
@@ -96,38 +101,18 @@ class Reduced(NamedTuple):
 Reduce = Callable[[list[Any], list[Any], jax.Array], dict[int, Reduced]]
 
 
-def check_error_feedback(error_feedback: object, ef21_momentum: object, *,
-                         algorithm: str) -> tuple[str, float | None]:
-    """``(mode, eta)``: ``"residual"``, ``"none"`` or ``"ef21"``, and the
-    EF21-SGDM momentum or None.
+class Context(NamedTuple):
+    """What one step of an error-feedback strategy works with: each leaf's
+    compressor (None: uncompressed), the data axis, mean or sum, the leaves'
+    block specs (or None), whether zero rows are masked, and the compressed
+    all-reduce of the transformation."""
 
-    Raises:
-      ValueError: ``error_feedback`` is none of `ErrorFeedback`;
-        ``ef21_momentum`` is not in ``(0, 1]`` or is given without
-        ``"ef21"``; ``"ef21"`` with ``algorithm="ring_requantize"``.
-    """
-    chosen = check_choice("error_feedback", error_feedback, _CHOICES)
-    mode = "residual" if chosen is True else "none" if chosen is False else str(chosen)
-    eta = check_float("ef21_momentum", ef21_momentum, low=0.0, high=1.0, allow_none=True)
-    if eta is not None and mode != "ef21":
-        raise ValueError(f"ef21_momentum is EF21-SGDM's momentum and needs "
-                         f"error_feedback='ef21', got error_feedback={error_feedback!r}")
-    if mode == "ef21" and algorithm == "ring_requantize":
-        raise ValueError("error_feedback='ef21' needs an all-reduce whose value is what the "
-                         "devices contributed; algorithm='ring_requantize' re-encodes at every "
-                         "hop, errors that belong to no device, so the estimate would drift "
-                         "(use 'auto' or 'pairwise')")
-    return mode, eta
-
-
-def owner_kept(mode: str, algorithm: str, compressor: qc.Compressor) -> bool:
-    """Whether a leaf of ``compressor`` keeps the owner's re-encoding error:
-    the classic residual with ``algorithm="pairwise"``; EF21 wherever the
-    compressor runs pairwise (also ``"auto"`` with a non-linear one)."""
-    if mode == "residual":
-        return algorithm == "pairwise"
-    return mode == "ef21" and (algorithm == "pairwise"
-                               or (algorithm == "auto" and not compressor.linear))
+    comps: list[qc.Compressor | None]
+    axis_name: AxisName
+    mean: bool
+    blocks: list[P] | None
+    mask: bool
+    reduce: Reduce
 
 
 def live_rows(leaves: list[jax.Array], comps: list[qc.Compressor | None],
@@ -179,48 +164,62 @@ def _momentum(leaves: list[jax.Array], momenta: list[Any], count: jax.Array,
     return [leaf if v is None else v for leaf, v in zip(leaves, new, strict=True)], new
 
 
-def ef21_exact(leaves: list[jax.Array], memory: Memory, key: jax.Array, count: jax.Array, *,
-               comps: list[qc.Compressor | None], axis_name: AxisName, mean: bool,
-               eta: float | None, blocks: list[P] | None) -> tuple[list[jax.Array], Memory]:
+#: ``(updates, state of lists)`` of one step, leaf by leaf.
+Step = tuple[list[jax.Array], EF21State]
+
+
+def ef21_steps(ctx: Context, *, eta: float | None) -> tuple[Callable[..., Step],
+                                                           Callable[..., Step]]:
+    """``(exact, compressed)``: EF21's warm-up and compressed step, each
+    ``(leaves, memory, key, count) -> (updates, memory)`` on an `EF21State`
+    of lists (None where a leaf keeps nothing); ``eta``: EF21-SGDM's momentum
+    or None."""
+    return (functools.partial(_exact, ctx=ctx, eta=eta),
+            functools.partial(_compressed, ctx=ctx, eta=eta))
+
+
+def _exact(leaves: list[jax.Array], memory: EF21State, key: jax.Array, count: jax.Array, *,
+           ctx: Context, eta: float | None) -> Step:
     """The warm-up step under EF21: the exact mean (or sum) of what EF21
     would compress (the gradient, or ``v_i``), and the full-gradient start:
     ``g_i`` that value on each device, ``g`` the exact mean."""
     del key
     sources, momenta = _momentum(leaves, memory.momentum, count, eta, [None] * len(leaves))
-    sent = [leaf if c is None else s for leaf, s, c in zip(leaves, sources, comps, strict=True)]
-    out = sum_uncompressed(sent, [False] * len(leaves), axis_name, mean=mean,
-                           block_specs=blocks)
+    sent = [leaf if c is None else s
+            for leaf, s, c in zip(leaves, sources, ctx.comps, strict=True)]
+    out = sum_uncompressed(sent, [False] * len(leaves), ctx.axis_name, mean=ctx.mean,
+                           block_specs=ctx.blocks)
     estimate = [None if g is None else o.astype(jnp.float32)
                 for o, g in zip(out, memory.estimate, strict=True)]
-    residual = [None if g is None else s.astype(jnp.float32)
-                for s, g in zip(sources, memory.residual, strict=True)]
+    local = [None if g is None else s.astype(jnp.float32)
+             for s, g in zip(sources, memory.local_estimate, strict=True)]
     return ([o.astype(leaf.dtype) for o, leaf in zip(out, leaves, strict=True)],
-            Memory(residual, memory.owner, estimate, momenta))
+            EF21State(local, estimate, memory.owner_residual, momenta))
 
 
-def ef21_compressed(leaves: list[jax.Array], memory: Memory, key: jax.Array,
-                    count: jax.Array, *, comps: list[qc.Compressor | None],
-                    axis_name: AxisName, mean: bool, eta: float | None, mask: bool,
-                    blocks: list[P] | None, reduce: Reduce) -> tuple[list[jax.Array], Memory]:
+def _compressed(leaves: list[jax.Array], memory: EF21State, key: jax.Array,
+                count: jax.Array, *, ctx: Context, eta: float | None) -> Step:
     """One compressed EF21 step: ``C(source_i - g_i)`` all-reduced,
     ``g_i += contributed``, ``g += value``, the update ``g``; the leaves
     left uncompressed get the exact mean of their gradients."""
-    live = live_rows(leaves, comps, axis_name) if mask else [None] * len(leaves)
+    comps = ctx.comps
+    live = live_rows(leaves, comps, ctx.axis_name) if ctx.mask else [None] * len(leaves)
     sources, momenta = _momentum(leaves, memory.momentum, count, eta, live)
     inputs = [leaf if c is None else masked(lv, s.astype(jnp.float32) - g_i)
-              for leaf, s, g_i, c, lv in zip(leaves, sources, memory.residual, comps, live,
-                                              strict=True)]
-    owners = [masked(lv, o) for lv, o in zip(live, memory.owner, strict=True)]
-    out = sum_uncompressed(inputs, [c is not None for c in comps], axis_name, mean=mean,
-                           block_specs=blocks)
-    estimate, residual, owner = list(memory.estimate), list(memory.residual), list(memory.owner)
-    for i, r in reduce(inputs, owners, jax.random.fold_in(key, count)).items():
+              for leaf, s, g_i, c, lv in zip(leaves, sources, memory.local_estimate, comps,
+                                              live, strict=True)]
+    owners = [masked(lv, o) for lv, o in zip(live, memory.owner_residual, strict=True)]
+    out = sum_uncompressed(inputs, [c is not None for c in comps], ctx.axis_name,
+                           mean=ctx.mean, block_specs=ctx.blocks)
+    estimate, local = list(memory.estimate), list(memory.local_estimate)
+    owner = list(memory.owner_residual)
+    for i, r in ctx.reduce(inputs, owners, jax.random.fold_in(key, count)).items():
         estimate[i] = where_live(live[i], memory.estimate[i] + r.value.astype(jnp.float32),
                                  memory.estimate[i])
-        residual[i] = where_live(live[i], memory.residual[i]
-                                 + r.contributed.astype(jnp.float32), memory.residual[i])
+        local[i] = where_live(live[i], memory.local_estimate[i]
+                              + r.contributed.astype(jnp.float32), memory.local_estimate[i])
         if r.owner_error is not None:
-            owner[i] = where_live(live[i], r.owner_error, memory.owner[i])
+            owner[i] = where_live(live[i], r.owner_error, memory.owner_residual[i])
         out[i] = masked(live[i], estimate[i])
     return ([o.astype(leaf.dtype) for o, leaf in zip(out, leaves, strict=True)],
-            Memory(residual, owner, estimate, momenta))
+            EF21State(local, estimate, owner, momenta))

@@ -44,6 +44,7 @@ import qcollect as qc
 from qcollect.checks import check_choice, check_floating_leaves, check_key
 from qcollect.varying import varying_axes
 from transforms._axes import AxisName, check_axis, mesh_axes, varies_along
+from transforms._feedback import ResidualFeedback, keeps_residual, residual_feedback
 from transforms._finite import finite_everywhere, keep_if_finite
 from transforms._placement import init_like_params, per_device, put
 
@@ -90,7 +91,7 @@ class FSDP(NamedTuple):
 
 def fsdp(axis_name: AxisName, *, dimension: Any, key: jax.Array,
          weights: qc.Compressor | None = None, gradients: qc.Compressor | None = None,
-         error_feedback: bool = True, mean: bool = True,
+         error_feedback: ResidualFeedback | None = residual_feedback(), mean: bool = True,
          exchange: qc.Exchange = "permute") -> FSDP:
     """Sharded data parallelism with compressed collectives and error feedback.
 
@@ -111,9 +112,10 @@ def fsdp(axis_name: AxisName, *, dimension: Any, key: jax.Array,
         bucket_size=2048, stochastic=False)``.
       gradients: the gradients' reduce-scatter compressor (default
         ``qc.identity()``), e.g. ``qc.qsgd(bits=4)``.
-      error_feedback: keep ``x - contributed`` of every device's gradient
-        blocks for the next step (default True). Without it the state holds
-        a scalar per leaf, no residual.
+      error_feedback: `transforms.residual_feedback()` (default): keep
+        ``x - contributed`` of every device's gradient blocks for the next
+        step; None: the state holds a scalar per leaf, no residual (True and
+        False are deprecated spellings).
       mean: gradients are the mean over devices (default) or the sum.
       exchange: ``"permute"`` or ``"all_to_all"`` (`qcollect.compressed_reduce_scatter`).
 
@@ -144,8 +146,8 @@ def fsdp(axis_name: AxisName, *, dimension: Any, key: jax.Array,
     for name, c in (("weights", weights), ("gradients", gradients)):
         if c is not None and not isinstance(c, qc.Compressor):
             raise ValueError(f"{name} must be a qcollect Compressor or None, got {c!r}")
-    settings = _Settings(axis_name, dimension, weights, gradients, error_feedback, mean,
-                         exchange)
+    settings = _Settings(axis_name, dimension, weights, gradients,
+                         keeps_residual(error_feedback, "fsdp"), mean, exchange)
     return FSDP(functools.partial(_init, key=check_key("key", key), s=settings),
                 functools.partial(_value_and_grad, s=settings), dimension)
 

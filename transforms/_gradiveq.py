@@ -3,11 +3,12 @@
 Yu et al., "GradiVeQ: Vector Quantization for Bandwidth-Efficient Gradient
 Aggregation in Distributed CNN Training" (NeurIPS 2018), sections 2 and 3.
 
-The step count picks the phase (`Schedule`), so every device takes the same
-branch (`lax.cond`, collectives inside the branches):
+The step count picks the phase (`GradiVeQCycle`; its spans: `gradiveq_phases`),
+so every device takes the same branch (`lax.cond`, collectives inside the
+branches):
 
-* warm-up, ``t < warmup_steps``: the compressed leaves are summed through
-  ``sample_compressor`` (`qcollect.compressed_all_reduce`, by default QSGD-4
+* lead-in (phase ``"lead-in"``), ``t < warmup_steps``: the compressed leaves
+  are summed through ``sample_compressor`` (`qcollect.compressed_all_reduce`, by default QSGD-4
   with the pairwise algorithm, section 3: "we will apply a scalar
   quantization technique such as QSGD to these iterations"), or exactly
   (``lax.psum``) when it is None.
@@ -86,11 +87,13 @@ import qcollect as qc
 from qcollect.checks import check_choice, check_float, check_int, check_key
 from transforms._axes import AxisName, check_local_gradients
 from transforms._blocks import leaves_like
+from transforms._feedback import ResidualFeedback, keeps_residual, residual_feedback
 from transforms._finite import all_finite
-from transforms._gradiveq_cycle import LeafPlan, Schedule, refreshed
+from transforms._gradiveq_cycle import GradiVeQCycle, LeafPlan, refreshed
 from transforms._gradiveq_sums import aggregate
 from transforms._placement import per_device
 from transforms._policy import LeafPredicate, check_compressor, leaf_choices, sum_uncompressed
+from transforms._residual import add_residual, residual_of
 from transforms._state import (
     check_entries,
     kept_per_device,
@@ -160,7 +163,7 @@ class _Settings:
     rank: int | None
     loss_threshold: float | None
     max_rank: int | None
-    schedule: Schedule
+    schedule: GradiVeQCycle
     sample_slices: int
     min_size: int
     compress_if: LeafPredicate | None
@@ -179,7 +182,8 @@ def gradiveq(axis_name: AxisName, *, key: jax.Array, slice_size: SliceSize,
              compress_if: LeafPredicate | None = None,
              sample_compressor: qc.Compressor | None = _QSGD4,
              sample_algorithm: qc.Algorithm = "auto", stop_loss: float | None = None,
-             mean: bool = True, error_feedback: bool = True,
+             mean: bool = True,
+             error_feedback: ResidualFeedback | None = residual_feedback(),
              batch_buckets: qc.BatchBuckets = qc.BATCH_BUCKETS) -> optax.GradientTransformation:
     """GradiVeQ: PCA compressors fitted on aggregated gradients, summed on a ring.
 
@@ -211,7 +215,8 @@ def gradiveq(axis_name: AxisName, *, key: jax.Array, slice_size: SliceSize,
       stop_loss: None, or a relative local compression loss (eq. 7) in
         (0, inf) above which a device votes to end the compressed phase.
       mean: average over devices (default) rather than sum.
-      error_feedback: keep residuals (default True).
+      error_feedback: `transforms.residual_feedback()` (default: keep
+        residuals) or None (True and False are deprecated spellings).
       batch_buckets: which classes of equal leaves or buckets run as one
         batch (`qcollect.runs_batched`): ``"auto"`` (default), ``"always"``,
         ``"never"`` or an int ``K`` (batch classes of more than ``K``).
@@ -256,7 +261,8 @@ def _validated(axis_name: AxisName, *, slice_size: SliceSize, loss_threshold: fl
                rank: int | None, max_rank: int | None, schedule: tuple[int, int, int],
                sample_slices: int, min_size: int, compress_if: LeafPredicate | None,
                sample_compressor: qc.Compressor | None, sample_algorithm: qc.Algorithm,
-               stop_loss: float | None, mean: bool, error_feedback: bool,
+               stop_loss: float | None, mean: bool,
+               error_feedback: ResidualFeedback | None,
                batch_buckets: qc.BatchBuckets) -> _Settings:
     """The settings of `gradiveq`, checked; ValueError naming the first bad one."""
     if (loss_threshold is None) == (rank is None):
@@ -279,9 +285,7 @@ def _validated(axis_name: AxisName, *, slice_size: SliceSize, loss_threshold: fl
         axis_name=axis_name,
         slice_size=slice_size if callable(slice_size) else check_int("slice_size", slice_size),
         rank=rank, loss_threshold=loss_threshold, max_rank=max_rank,
-        schedule=Schedule(check_int("warmup_steps", warmup_steps, low=0),
-                          check_int("sample_steps", sample_steps),
-                          check_int("compressed_steps", compressed_steps)),
+        schedule=GradiVeQCycle.checked(warmup_steps, sample_steps, compressed_steps),
         sample_slices=check_int("sample_slices", sample_slices),
         min_size=check_int("min_size", min_size, low=0), compress_if=compress_if,
         sample_compressor=check_compressor("sample_compressor", sample_compressor,
@@ -289,7 +293,8 @@ def _validated(axis_name: AxisName, *, slice_size: SliceSize, loss_threshold: fl
         sample_algorithm=check_choice("sample_algorithm", sample_algorithm,
                                       get_args(qc.Algorithm)),
         stop_loss=check_float("stop_loss", stop_loss, low=0.0, allow_none=True),
-        mean=mean, error_feedback=error_feedback, batch_buckets=batch_buckets)
+        mean=mean, error_feedback=keeps_residual(error_feedback, "gradiveq"),
+        batch_buckets=batch_buckets)
 
 
 def _leaf_plan(path: Any, leaf: Any, settings: _Settings) -> LeafPlan | None:
@@ -388,7 +393,7 @@ def _update(grads: optax.Updates, state: GradiVeQState, params: optax.Params | N
 
     out = sum_uncompressed(leaves, [p is not None for p in plans], settings.axis_name,
                            mean=settings.mean)
-    xs = [leaves[i].astype(jnp.float32) + (r if settings.error_feedback else 0.0)
+    xs = [add_residual(leaves[i].astype(jnp.float32), r if settings.error_feedback else None)
           for i, r in zip(idx, mine["residual"], strict=True)]
     if idx:
         step_key = jax.random.fold_in(state.key, state.count)
@@ -411,7 +416,7 @@ def _update(grads: optax.Updates, state: GradiVeQState, params: optax.Params | N
         fresh = refreshed(mine, sums, cplans, valid, phase, finite, rank=settings.rank,
                           loss_threshold=settings.loss_threshold)
         if settings.error_feedback:
-            fresh["residual"] = [x - c for x, c in zip(xs, contributed, strict=True)]
+            fresh["residual"] = [residual_of(x, c) for x, c in zip(xs, contributed, strict=True)]
         for name, values in fresh.items():
             for j, i in enumerate(idx):
                 new[name][i] = values[j]

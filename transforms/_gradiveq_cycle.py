@@ -4,7 +4,7 @@ Yu et al., GradiVeQ (section 3, "System Overview"): after ``warmup_steps``,
 cycles of ``L_t`` sampling steps, whose aggregated gradients are sampled
 slice by slice (`record_samples`), and ``L_c`` compressed steps; after the
 last sampling step the PCA compressors are fitted on the samples (`fit`,
-eq. 6). `Schedule.phase` says where a step falls, from the step count alone.
+eq. 6). `GradiVeQCycle.phase` says where a step falls, from the step count alone.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ import jax.numpy as jnp
 from jax import lax
 
 import qcollect as qc
+from qcollect.checks import check_int
+from transforms._phases import COMPRESSED, LEAD_IN, SAMPLING, PhaseSpan, clipped
 
-__all__ = ["LeafPlan", "Phase", "Schedule", "fill_invalid", "fit", "record_samples",
-           "refreshed", "sample_rows"]
+__all__ = ["GradiVeQCycle", "LeafPlan", "Phase", "fill_invalid", "fit", "gradiveq_phases",
+           "record_samples", "refreshed", "sample_rows"]
 
 
 class Phase(NamedTuple):
@@ -36,18 +38,42 @@ class Phase(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class Schedule:
-    """GradiVeQ's static schedule: ``warmup_steps``, then cycles of
-    ``sample_steps`` (``L_t``) sampling steps and ``compressed_steps``
-    (``L_c``) compressed steps (section 3, "System Overview")."""
+class GradiVeQCycle:
+    """GradiVeQ's static schedule (a `transforms._phases.Schedule`):
+    ``warmup_steps`` lead-in steps, then cycles of ``sample_steps``
+    (``L_t``) sampling steps and ``compressed_steps`` (``L_c``) compressed
+    steps (section 3, "System Overview")."""
 
     warmup_steps: int
     sample_steps: int
     compressed_steps: int
 
+    @classmethod
+    def checked(cls, warmup_steps: int, sample_steps: int,
+                compressed_steps: int) -> GradiVeQCycle:
+        """The schedule, its settings checked (ValueError naming the first bad one)."""
+        return cls(check_int("warmup_steps", warmup_steps, low=0),
+                   check_int("sample_steps", sample_steps),
+                   check_int("compressed_steps", compressed_steps))
+
     @property
     def cycle(self) -> int:
         return self.sample_steps + self.compressed_steps
+
+    def at(self, count: jax.Array | int) -> Phase:
+        """The phase of step ``count`` when no cycle ended early (no ``stop_loss``)."""
+        return self.phase(jnp.asarray(count, jnp.int32),
+                          jnp.asarray(self.warmup_steps, jnp.int32))
+
+    def spans(self, steps: int) -> tuple[PhaseSpan, ...]:
+        """``"lead-in"``, then cycles of ``"sampling"`` and ``"compressed"``
+        over steps ``0 .. steps - 1`` (exact without ``stop_loss``)."""
+        steps = check_int("steps", steps, low=0)
+        runs = [(LEAD_IN, 0, self.warmup_steps)]
+        for start in range(self.warmup_steps, steps, self.cycle):
+            runs += [(SAMPLING, start, start + self.sample_steps),
+                     (COMPRESSED, start + self.sample_steps, start + self.cycle)]
+        return clipped(runs, steps)
 
     def phase(self, count: jax.Array, cycle_start: jax.Array) -> Phase:
         """The phase of step ``count`` in the cycle that began at ``cycle_start``."""
@@ -129,3 +155,41 @@ def fill_invalid(samples: jax.Array, valid: jax.Array) -> jax.Array:
     rank_of = jnp.cumsum(jnp.logical_not(valid).astype(jnp.int32)) - 1
     source = jnp.where(valid, jnp.arange(slots), order[jnp.mod(rank_of, nvalid)])
     return samples[source]
+
+
+def gradiveq_phases(steps: int, *, warmup_steps: int = 0, sample_steps: int = 100,
+                    compressed_steps: int = 400) -> tuple[PhaseSpan, ...]:
+    """Which of a run's steps ``0 .. steps - 1`` a `transforms.gradiveq` with
+    these settings (and its defaults) spends in which phase:
+    ``"lead-in"``, then cycles of ``"sampling"`` and ``"compressed"`` steps
+    (GradiVeQ section 3). The names are those its branches are marked with
+    (`qcollect.wire_bytes_by_phase`). Exact without ``stop_loss``; with it
+    a vote can end a compressed phase early, and a run spends at most these
+    steps compressed.
+
+    Args:
+      steps: the run's length, >= 0.
+      warmup_steps: `gradiveq`'s ``warmup_steps``.
+      sample_steps: its ``sample_steps`` (L_t).
+      compressed_steps: its ``compressed_steps`` (L_c).
+
+    Returns:
+      The `PhaseSpan` runs in step order, empty ones left out.
+
+    Raises:
+      ValueError: ``steps`` or ``warmup_steps`` below 0, or ``sample_steps``
+        or ``compressed_steps`` below 1.
+
+    References:
+      Yu et al., GradiVeQ, NeurIPS 2018 <https://arxiv.org/abs/1811.03617>,
+      section 3 ("System Overview": L_t sampling and L_c compressed steps).
+
+    Example:
+      >>> import transforms
+      >>> transforms.gradiveq_phases(10, warmup_steps=2, sample_steps=1, compressed_steps=3)
+      ... # doctest: +NORMALIZE_WHITESPACE
+      (PhaseSpan(name='lead-in', start=0, stop=2), PhaseSpan(name='sampling', start=2, stop=3),
+       PhaseSpan(name='compressed', start=3, stop=6), PhaseSpan(name='sampling', start=6, stop=7),
+       PhaseSpan(name='compressed', start=7, stop=10))
+    """
+    return GradiVeQCycle.checked(warmup_steps, sample_steps, compressed_steps).spans(steps)

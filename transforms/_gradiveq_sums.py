@@ -14,7 +14,7 @@ from jax import lax
 
 import qcollect as qc
 from transforms._axes import AxisName, mesh_axes
-from transforms._phases import COMPRESSED, SAMPLING, WARM_UP
+from transforms._phases import COMPRESSED, LEAD_IN, SAMPLING
 from transforms._policy import group_indices
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ def aggregate(xs: list[jax.Array], bases: list[jax.Array], means: list[jax.Array
     Returns ``(sums, contributed, votes)`` (see `sum_on_pca_ring`).
     """
     s = settings
-    sampled = (WARM_UP, SAMPLING) if s.schedule.warmup_steps else (SAMPLING,)
+    sampled = (LEAD_IN, SAMPLING) if s.schedule.warmup_steps else (SAMPLING,)
 
     def on_ring() -> Sums:
         with qc.phase(COMPRESSED):

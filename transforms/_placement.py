@@ -137,7 +137,7 @@ def state_specs(state: optax.OptState, axis_name: AxisName) -> Any:
       ...     "data", compressor=qc.onebit(), key=jax.random.key(0)), optax.sgd(0.1))
       >>> specs = transforms.state_specs(
       ...     jax.eval_shape(tx.init, {"w": jnp.zeros((8, 8))}), "data")
-      >>> specs[0].residual["w"] == jax.P("data"), specs[0].count == jax.P()
+      >>> specs[0].feedback.residual["w"] == jax.P("data"), specs[0].count == jax.P()
       (True, True)
     """
 
@@ -220,7 +220,7 @@ def init_sharded(tx: optax.GradientTransformation, params: optax.Params, mesh: M
       >>> tx = transforms.compressed_all_reduce("data", compressor=qc.onebit(),
       ...                                       key=jax.random.key(0))
       >>> state = transforms.init_sharded(tx, {"w": jnp.zeros((8, 8))}, mesh, "data")
-      >>> state.residual["w"].shape == (jax.device_count(), 8, 8)
+      >>> state.feedback.residual["w"].shape == (jax.device_count(), 8, 8)
       True
     """
     missing = [a for a in mesh_axes(axis_name) if a not in mesh.shape]

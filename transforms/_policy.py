@@ -12,6 +12,7 @@ together.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -201,39 +202,68 @@ def path_name(path: tuple[Any, ...], sep: str = "/") -> str:
     return sep.join(names)
 
 
-def matrices(*, embeddings: bool = True) -> LeafPredicate:
-    """A ``compress_if`` for transformers: compress the matrices (and
-    kernels) only; vectors (LayerNorm scales, biases) and scalars go exact,
-    and with ``embeddings=False`` so do the leaves whose path names an
+def matrices(*, embeddings: bool = True) -> _Matrices:
+    """The rule "matrices only" for transformers, usable as a ``compress_if``
+    and as an optax mask: the matrices (and kernels) are compressed or
+    decayed; vectors (LayerNorm scales, biases) and scalars are not, and
+    with ``embeddings=False`` neither are the leaves whose path names an
     embedding (a path entry containing ``"embed"``, any case: Flax's
     ``nn.Embed`` parameter is ``embedding``).
 
     Vectors are a sliver of a transformer's bytes and lose the most to
     quantization; DeepSpeed's ZeRO++ and torchft's compressed all-reduce
-    send 1-D tensors uncompressed, as does PyTorch's PowerSGD hook.
+    send 1-D tensors uncompressed, as does PyTorch's PowerSGD hook. The same
+    leaves are the ones AdamW's weight decay usually skips.
     `transforms.compressed_fraction` says what share of the values is still
     compressed.
 
     Args:
-      embeddings: whether embedding tables are compressed (default True).
+      embeddings: whether embedding tables count as matrices (default True).
 
     Returns:
-      ``compress_if(path, leaf) -> bool`` for every transformation that
-      takes one (`compressed_all_reduce`, `powersgd`, `gradiveq`).
+      A value callable two ways: ``rule(path, leaf) -> bool``, the
+      ``compress_if`` of every transformation that takes one
+      (`compressed_all_reduce`, `powersgd`, `gradiveq`), and
+      ``rule(params) -> pytree of bools`` (also ``rule.mask(params)``), the
+      ``mask`` of ``optax.masked``, ``optax.add_decayed_weights`` and
+      ``optax.adamw``. Equal settings give equal rules.
 
     Example:
-      >>> import jax, jax.numpy as jnp, transforms
+      >>> import jax, jax.numpy as jnp, optax, transforms
       >>> params = {"embed": {"embedding": jnp.zeros((256, 64))},
       ...           "ln": {"scale": jnp.zeros(64)}, "mlp": {"kernel": jnp.zeros((64, 256))}}
       >>> keep = transforms.matrices(embeddings=False)
       >>> leaves = jax.tree_util.tree_leaves_with_path(params)
       >>> {transforms.path_name(p): keep(p, x) for p, x in leaves}
       {'embed/embedding': False, 'ln/scale': False, 'mlp/kernel': True}
+      >>> keep(params)["mlp"]["kernel"], keep(params)["ln"]["scale"]
+      (True, False)
+      >>> tx = optax.adamw(1e-3, weight_decay=0.1, mask=transforms.matrices())
     """
-    def compress_if(path: Any, leaf: Any) -> bool:
+    return _Matrices(embeddings=embeddings)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Matrices:
+    """`matrices`' rule: a leaf predicate and an optax mask in one value."""
+
+    embeddings: bool = True
+
+    def __call__(self, *args: Any) -> Any:
+        if len(args) == 2:
+            return self.keeps(*args)
+        if len(args) == 1:
+            return self.mask(args[0])
+        raise TypeError(f"matrices() takes (path, leaf) or (params), got {len(args)} "
+                        "arguments")
+
+    def keeps(self, path: Any, leaf: Any) -> bool:
+        """Whether ``leaf`` (at key path ``path``) counts as a matrix."""
         if np.ndim(leaf) < 2:
             return False
-        return embeddings or not any("embed" in part.lower()
-                                     for part in path_name(path).split("/"))
+        return self.embeddings or not any("embed" in part.lower()
+                                          for part in path_name(path).split("/"))
 
-    return compress_if
+    def mask(self, params: Any) -> Any:
+        """``params``' structure with `keeps` of each leaf: an optax mask."""
+        return jax.tree_util.tree_map_with_path(self.keeps, params)

@@ -1,27 +1,29 @@
 """`powersgd`: an optax transformation with the semantics of PyTorch's
 ``powerSGD_hook`` (Vogels et al., PowerSGD, Algorithm 1).
 
-For ``start_iter`` steps every leaf is averaged uncompressed (``qc.fused_psum``),
-as the hook's warm-up with ``start_powerSGD_iter``. After that, every leaf
+For ``compress_after`` steps every leaf is averaged uncompressed
+(``qc.fused_psum``), as the hook's ``start_powerSGD_iter``. After that, every leaf
 that is a matrix (two or more dimensions) and where a rank-``r`` factorization
 pays (`qcollect.powersgd_should_compress`) is compressed by one power
 iteration with warm start; vectors, scalars and small matrices stay
 uncompressed. The phase switch is a ``lax.cond`` on the step count, which is
 the same on every device, with the collectives inside its branches, marked
-``"warm-up"`` and ``"compressed"`` (`qcollect.phase`):
-`qcollect.wire_bytes_by_phase` of a step measures each, and
-`powersgd_phases` says which steps of a run fall in which.
+``"exact"`` and ``"compressed"`` (`qcollect.phase`):
+`qcollect.wire_bytes_by_phase` of a step measures each, and the schedule
+(``transforms.CompressAfter(K).spans(steps)``) says which steps of a run
+fall in which.
 
-``start_iter`` defaults to 10. Vogels et al.'s Algorithm 1 compresses from
-the first step. PyTorch's hook runs 1000 uncompressed steps by default
-(``start_powerSGD_iter``; its docstring: the start of training is the most
-sensitive to inexact gradients) and the authors' ``powersgd`` package 100
+``compress_after`` defaults to 10 (``start_iter`` is its deprecated name).
+Vogels et al.'s Algorithm 1 compresses from the first step. PyTorch's hook
+runs 1000 uncompressed steps by default (``start_powerSGD_iter``; its
+docstring: the start of training is the most sensitive to inexact
+gradients) and the authors' ``powersgd`` package 100
 (``start_compressing_after_num_steps``), counts meant for runs of tens of
 thousands of steps. A fixed count cannot know the run's length: 1000 leaves
 a run of a few hundred steps uncompressed from start to end, and its wire
 bytes those of a plain all-reduce. 10 keeps the first, largest updates
 exact and nearly every step of a short run compressed; pass
-``start_iter=1000`` for the hook's schedule. (The warm-up leaves the ``Q``
+``compress_after=1000`` for the hook's schedule. (The exact steps leave the ``Q``
 memory and the error feedback as ``init`` made them.)
 
 Matrix views: a leaf becomes an ``(n, m)`` matrix
@@ -81,6 +83,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any, Literal, NamedTuple, get_args
 
 import jax
@@ -92,10 +95,18 @@ import qcollect as qc
 from qcollect.checks import check_choice, check_float, check_int, check_key
 from transforms._axes import AxisName, check_local_gradients
 from transforms._blocks import leaves_like
+from transforms._feedback import ResidualFeedback, keeps_residual, residual_feedback
 from transforms._finite import all_finite, keep_if_finite
-from transforms._phases import COMPRESSED, POWERSGD_START_ITER, WARM_UP
+from transforms._phases import (
+    COMPRESSED,
+    EXACT,
+    POWERSGD_COMPRESS_AFTER,
+    CompressAfter,
+    as_schedule,
+)
 from transforms._placement import per_device
 from transforms._policy import LeafPredicate, group_indices, leaf_choices, sum_uncompressed
+from transforms._residual import add_residual, residual_of
 from transforms._state import (
     check_entries,
     kept_per_device,
@@ -120,7 +131,7 @@ class PowerSGDState(NamedTuple):
         ``q_memory_dict``); the same on every device. ``optax.MaskedNode()``
         for leaves that are not compressed, or for all leaves without warm
         start.
-      count: int32 step count; steps ``count < start_iter`` are uncompressed.
+      count: int32 step count; steps ``count < compress_after`` are uncompressed.
       key: PRNG key. It draws the first ``Q`` of every leaf in ``init`` and,
         without warm start, a fresh ``Q`` at step ``t`` from
         ``fold_in(key, t)``. It is never folded with the device index: ``Q``
@@ -149,7 +160,7 @@ class _Settings:
 
     axis_name: AxisName
     rank: int
-    start_iter: int
+    compress_after: CompressAfter
     warm_start: bool
     error_feedback: bool
     min_compression_rate: float
@@ -176,32 +187,33 @@ class _Settings:
 
 
 def powersgd(axis_name: AxisName, *, rank: int, key: jax.Array,
-             start_iter: int = POWERSGD_START_ITER, warm_start: bool = True,
-             error_feedback: bool = True, min_compression_rate: float = 2.0, mean: bool = True,
-             matrix_view: MatrixView = "last", compress_if: LeafPredicate | None = None
-             ) -> optax.GradientTransformation:
+             compress_after: int | CompressAfter | None = None, warm_start: bool = True,
+             error_feedback: ResidualFeedback | None = residual_feedback(),
+             min_compression_rate: float = 2.0, mean: bool = True,
+             matrix_view: MatrixView = "last", compress_if: LeafPredicate | None = None,
+             start_iter: int | None = None) -> optax.GradientTransformation:
     """PowerSGD all-reduce of the gradients, as PyTorch's ``powerSGD_hook``.
 
-    Steps ``0 .. start_iter - 1``: every leaf is averaged (or summed)
-    uncompressed (``qc.fused_psum``). From step ``start_iter`` on, each leaf
+    Steps ``0 .. compress_after - 1``: every leaf is averaged (or summed)
+    uncompressed (``qc.fused_psum``). From step ``compress_after`` on, each leaf
     whose matrix view a rank-``r`` factorization shrinks is sent as the two
     factors of one power iteration with warm start and error feedback
     (Algorithms 1 and 2); the others go uncompressed. The two phases are
-    marked ``"warm-up"`` and ``"compressed"`` (`qcollect.wire_bytes_by_phase`,
-    `powersgd_phases`). docs/transforms.md ("GradiVeQ and PowerSGD") has
-    the details.
+    marked ``"exact"`` and ``"compressed"`` (`qcollect.wire_bytes_by_phase`,
+    ``CompressAfter(K).spans(steps)``). docs/transforms.md ("GradiVeQ and
+    PowerSGD") has the details.
 
     Args:
       axis_name: the data-parallel axis (``shard_map`` or ``pmap``).
       rank: approximation rank ``r >= 1`` (PyTorch's
         ``matrix_approximation_rank``); a leaf uses ``min(n, m, rank)``.
       key: PRNG key for the random ``Q`` (the same on every device).
-      start_iter: uncompressed steps before PowerSGD starts, >= 0
-        (PyTorch's ``start_powerSGD_iter``, whose default is 1000; here 10,
-        for runs of a few hundred steps: docs/transforms.md, "What each
-        phase sends").
+      compress_after: exact steps first, >= 0 or a `transforms.CompressAfter`
+        (PyTorch's ``start_powerSGD_iter``, default 1000; here None: 10, for
+        runs of a few hundred steps: docs/transforms.md, "What each phase sends").
       warm_start: reuse ``Q`` from the previous step (default True).
-      error_feedback: keep the local errors (default True).
+      error_feedback: `transforms.residual_feedback()` (default: the local
+        errors, Algorithm 2) or None (True, False: deprecated).
       min_compression_rate: > 0; a leaf is compressed only when it shrinks
         at least this much (PyTorch's default 2).
       mean: average over devices (default) rather than sum.
@@ -211,13 +223,14 @@ def powersgd(axis_name: AxisName, *, rank: int, key: jax.Array,
       compress_if: optional predicate ``(path, leaf) -> bool``: the leaves
         it rejects go uncompressed, as those the rank does not shrink
         (`transforms.matrices` keeps embeddings exact, say).
+      start_iter: deprecated name of ``compress_after`` (DeprecationWarning).
 
     Returns:
       An ``optax.GradientTransformation``; ``update(grads, state, params=None)``
       returns updates in the gradients' dtypes and a `PowerSGDState`.
 
     Raises:
-      ValueError: ``rank < 1``, ``start_iter < 0``,
+      ValueError: ``rank < 1``, ``compress_after < 0``, both it and ``start_iter``,
         ``min_compression_rate <= 0`` or ``matrix_view`` not ``"last"`` or
         ``"first"``. ``update`` raises ValueError (at trace time) on gradients
         that are not the tree ``init`` saw, naming the first differing leaf
@@ -240,19 +253,33 @@ def powersgd(axis_name: AxisName, *, rank: int, key: jax.Array,
     Example:
       >>> import jax, optax, transforms
       >>> tx = optax.chain(
-      ...     transforms.powersgd("data", rank=4, key=jax.random.key(0), start_iter=10),
+      ...     transforms.powersgd("data", rank=4, key=jax.random.key(0), compress_after=10),
       ...     optax.sgd(0.1, momentum=0.9))
     """
     settings = _Settings(
         axis_name=axis_name, rank=check_int("rank", rank),
-        start_iter=check_int("start_iter", start_iter, low=0), warm_start=warm_start,
-        error_feedback=error_feedback,
+        compress_after=_compress_after(compress_after, start_iter), warm_start=warm_start,
+        error_feedback=keeps_residual(error_feedback, "powersgd"),
         min_compression_rate=check_float("min_compression_rate", min_compression_rate),
         mean=mean, matrix_view=check_choice("matrix_view", matrix_view, get_args(MatrixView)),
         compress_if=compress_if)
     key = check_key("key", key)
     return optax.GradientTransformation(functools.partial(_init, key=key, settings=settings),
                                         functools.partial(_update, settings=settings))
+
+
+def _compress_after(compress_after: int | CompressAfter | None,
+                    start_iter: int | None) -> CompressAfter:
+    """``compress_after`` as a schedule (None: the default, 10), or the
+    deprecated ``start_iter`` (warning); ValueError when both are given."""
+    if start_iter is None:
+        return as_schedule(POWERSGD_COMPRESS_AFTER if compress_after is None else compress_after)
+    warnings.warn("powersgd(start_iter=...) is deprecated: pass compress_after=...",
+                  DeprecationWarning, stacklevel=3)
+    if compress_after is not None:
+        raise ValueError(f"start_iter={start_iter} and compress_after={compress_after!r}: "
+                         "start_iter is compress_after's older name; pass one")
+    return as_schedule(start_iter, "start_iter")
 
 
 def _init(params: optax.Params, *, key: jax.Array, settings: _Settings) -> PowerSGDState:
@@ -306,7 +333,7 @@ def _update(grads: optax.Updates, state: PowerSGDState, params: optax.Params | N
     def plain(leaves: list[jax.Array], residuals: list[Any], qs: list[Any], count: jax.Array,
               key: jax.Array) -> _Step:
         del count, key
-        with qc.phase(WARM_UP):
+        with qc.phase(EXACT):
             summed = qc.fused_psum(list(leaves), settings.axis_name, mean=settings.mean)
         # In the gradients' dtypes, as the compressed branch returns them (the
         # mean of integer gradients is a float).
@@ -319,12 +346,12 @@ def _update(grads: optax.Updates, state: PowerSGDState, params: optax.Params | N
                                settings)
 
     args = (leaves, residuals, qs, state.count, state.key)
-    if settings.start_iter == 0:
+    if settings.compress_after.steps == 0:
         out, new_residuals, new_qs = power(*args)
     else:
         # The count is the same on every device, so every device takes
         # the same branch and runs the same collectives.
-        out, new_residuals, new_qs = lax.cond(state.count < settings.start_iter, plain, power,
+        out, new_residuals, new_qs = lax.cond(settings.compress_after.at(state.count), plain, power,
                                               *args)
     finite = all_finite(out)
     return treedef.unflatten(out), PowerSGDState(
@@ -371,7 +398,7 @@ def _power_step(leaves: list[jax.Array], residuals: list[Any], qs: list[Any],
             mine = approx[j] if settings.mean else approx[j] * n_dev
             out[i] = mine.reshape(jnp.shape(leaves[i])).astype(leaves[i].dtype)
             if settings.error_feedback:
-                new_residuals[i] = (mats[i] - approx[j]).reshape(jnp.shape(leaves[i]))
+                new_residuals[i] = residual_of(mats[i], approx[j]).reshape(jnp.shape(leaves[i]))
             if settings.warm_start:
                 new_qs[i] = q_mean[j]
     return out, new_residuals, new_qs
@@ -383,9 +410,8 @@ def _matrices(leaves: list[jax.Array], residuals: list[Any], which: list[bool],
     mats = {}
     for i, (g, residual, compressed) in enumerate(zip(leaves, residuals, which, strict=True)):
         if compressed:
-            mat = jnp.asarray(g, jnp.float32)
-            if settings.error_feedback:
-                mat = mat + residual
+            mat = add_residual(jnp.asarray(g, jnp.float32),
+                               residual if settings.error_feedback else None)
             mats[i] = qc.powersgd_matrix(mat, view=settings.matrix_view)
     return mats
 

@@ -46,7 +46,7 @@ import optax
 
 import qcollect as qc
 import transforms
-from common.config import COMPUTE_ONLY, MODEL_AXIS_COMPRESSORS, PSUM_BF16
+from common.config import COMPUTE_ONLY, ERROR_FEEDBACK, MODEL_AXIS_COMPRESSORS, PSUM_BF16
 
 
 class Communication(NamedTuple):
@@ -54,17 +54,18 @@ class Communication(NamedTuple):
 
     Attributes:
       tx: the optax transformation (mean gradient over the data axis).
-      phased: it switches phases with ``lax.cond`` (warm-up, sampling,
-        compressed), so wire bytes differ per phase.
+      phased: it switches phases with ``lax.cond`` (exact, lead-in,
+        sampling, compressed), so wire bytes differ per phase.
       entropy: the entropy compressor when the step needs host-side plans
         (`examples.common.entropy_plan`), else None.
       replicated: the update is the same on every device (False only for
         ``local``, which reduces nothing).
       phases: ``phases(steps)``: which steps of a run fall in which phase,
         a tuple of `transforms.PhaseSpan` under the names the
-        transformation marks its branches with (`qcollect.phase`), so that
-        `qcollect.wire_bytes_by_phase` of the step prices each; None for an
-        all-reduce of one phase.
+        transformation marks its branches with (`qcollect.phase`): the
+        ``spans`` of the schedule the transformation itself runs
+        (`phases_of`), so that `qcollect.wire_bytes_by_phase` of the step
+        prices each; None for an all-reduce of one phase.
     """
 
     tx: optax.GradientTransformation
@@ -110,10 +111,31 @@ def gradiveq_slice_size(leaf_shape, *, min_slice: int) -> int | None:
     return k if k <= math.prod(leaf_shape) else None
 
 
+#: Each name of ``--error-feedback`` and the strategy it makes.
+_FEEDBACK = dict(zip(ERROR_FEEDBACK, (transforms.residual_feedback, transforms.ef21),
+                     strict=True))
+
+
+def feedback(setting: str | bool):
+    """The error-feedback strategy a setting names, the value the
+    transformations take as ``error_feedback``: a name of ``--error-feedback``
+    (``residual``: `transforms.residual_feedback()`, ``ef21``:
+    `transforms.ef21()`), or the true/false of ``--gradiveq-error-feedback``
+    and ``--fsdp-error-feedback`` (the residual, or None: no error feedback).
+
+    Example:
+      >>> feedback("ef21") == transforms.ef21() and feedback(False) is None
+      True
+    """
+    if isinstance(setting, bool):
+        return transforms.residual_feedback() if setting else None
+    return _FEEDBACK[setting]()
+
+
 def _compressed(compressor, cfg, axis_name, key, **kwargs) -> optax.GradientTransformation:
     return transforms.compressed_all_reduce(axis_name, compressor=compressor, key=key,
                                             min_size=cfg.min_size, exchange=cfg.exchange,
-                                            error_feedback=cfg.error_feedback,
+                                            error_feedback=feedback(cfg.error_feedback),
                                             mask_zero_rows=cfg.mask_zero_rows, **kwargs)
 
 
@@ -133,8 +155,8 @@ def communication(name: str, cfg, axis_name, key, block_specs=None) -> Communica
     """The `Communication` for compressor ``name`` with the settings of ``cfg``:
     with ``cfg.compress_after`` > 0, every compressor's all-reduce is the
     exact mean for that many steps first (``compress_after`` of
-    `transforms.compressed_all_reduce`; PowerSGD's ``start_iter``, which
-    means the same), marked ``"warm-up"``.
+    `transforms.compressed_all_reduce` and `transforms.powersgd`), marked
+    ``"exact"``.
 
     ``entropy`` returns a transformation for the worst-case payload size; the
     training loop replaces it with planned ones (`entropy_transform`).
@@ -145,7 +167,7 @@ def communication(name: str, cfg, axis_name, key, block_specs=None) -> Communica
     if cfg.compress_after and (name in ("entropy", "gradiveq") or name.startswith("entropy-")):
         raise ValueError(f"compress_after does not apply to {name}: the entropy compressor's "
                          "plans are made from the compressed steps, and GradiVeQ has its own "
-                         "warm-up (gradiveq_warmup)")
+                         "lead-in (gradiveq_warmup)")
     return _communication(name, cfg, axis_name, key, block_specs)
 
 
@@ -173,8 +195,7 @@ def _communication(name: str, cfg, axis_name, key, block_specs=None) -> Communic
         return Communication(
             _compressed(_COMPRESSORS[name](cfg), cfg, axis_name, key, block_specs=block_specs,
                         compress_after=first),
-            phased=first > 0, phases=functools.partial(transforms.warm_up_phases,
-                                                       compress_after=first) if first else None)
+            phased=first > 0, phases=phases_of(name, cfg))
     if block_specs is not None:
         raise ValueError(f"compressors: with model axes the all-reduce takes "
                          f"{', '.join(MODEL_AXIS_COMPRESSORS)}, got {name!r}")
@@ -185,22 +206,42 @@ def _communication(name: str, cfg, axis_name, key, block_specs=None) -> Communic
     if name == "powersgd":
         start = cfg.compress_after or cfg.powersgd_start
         return Communication(transforms.powersgd(axis_name, rank=cfg.powersgd_rank, key=key,
-                                                 start_iter=start),
-                             phased=start > 0,
-                             phases=functools.partial(transforms.powersgd_phases,
-                                                      start_iter=start))
+                                                 compress_after=start),
+                             phased=start > 0, phases=phases_of(name, cfg))
     if name == "gradiveq":
         return Communication(gradiveq_transform(cfg, axis_name, key), phased=True,
-                             phases=functools.partial(
-                                 transforms.gradiveq_phases, warmup_steps=cfg.gradiveq_warmup,
-                                 sample_steps=cfg.gradiveq_sample_steps,
-                                 compressed_steps=cfg.gradiveq_compressed_steps))
+                             phases=phases_of(name, cfg))
     raise ValueError(f"unknown compressor {name!r}")
+
+
+def phases_of(name: str, cfg) -> Callable[[int], tuple] | None:
+    """``steps -> spans``: the schedule of the all-reduce `communication`
+    builds for ``name`` with ``cfg``, the same value the transformation runs
+    (``transforms.CompressAfter(K).spans``, `transforms.gradiveq_phases`);
+    None for an all-reduce of one phase. The timing model
+    (``lm/time_to_target.py``) reads it too, so a new recipe is timed by
+    its own schedule.
+
+    Example:
+      >>> from lm.config import Config
+      >>> phases_of("qsgd-4", Config(compress_after=10))(30)  # doctest: +NORMALIZE_WHITESPACE
+      (PhaseSpan(name='exact', start=0, stop=10),
+       PhaseSpan(name='compressed', start=10, stop=30))
+    """
+    if name in _COMPRESSORS:
+        return transforms.CompressAfter(cfg.compress_after).spans if cfg.compress_after else None
+    if name == "powersgd":
+        return transforms.CompressAfter(cfg.compress_after or cfg.powersgd_start).spans
+    if name == "gradiveq":
+        return functools.partial(transforms.gradiveq_phases, warmup_steps=cfg.gradiveq_warmup,
+                                 sample_steps=cfg.gradiveq_sample_steps,
+                                 compressed_steps=cfg.gradiveq_compressed_steps)
+    return None
 
 
 def gradiveq_transform(cfg, axis_name, key, **kwargs) -> optax.GradientTransformation:
     """`transforms.gradiveq` with the settings of ``cfg`` (and ``kwargs``, e.g.
-    ``sample_compressor=None`` for exact warm-up and sampling steps)."""
+    ``sample_compressor=None`` for exact lead-in and sampling steps)."""
     rank = cfg.gradiveq_rank
     slice_size = lambda path, leaf: gradiveq_slice_size(  # noqa: E731
         leaf.shape, min_slice=rank * cfg.gradiveq_compression)
@@ -210,7 +251,7 @@ def gradiveq_transform(cfg, axis_name, key, **kwargs) -> optax.GradientTransform
         sample_steps=cfg.gradiveq_sample_steps,
         compressed_steps=cfg.gradiveq_compressed_steps,
         sample_slices=cfg.gradiveq_sample_slices, min_size=cfg.min_size,
-        error_feedback=cfg.gradiveq_error_feedback, **kwargs)
+        error_feedback=feedback(cfg.gradiveq_error_feedback), **kwargs)
 
 
 def compressed_leaves(name: str, cfg, tree) -> list[bool]:

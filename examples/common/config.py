@@ -37,6 +37,9 @@ REFERENCES = (COMPUTE_ONLY, PSUM_BF16)
 MODEL_AXIS_COMPRESSORS = ("none", "bf16", "onebit", "onebit-column", "threshold", "adaptive",
                           "qsgd-2", "qsgd-4", "qsgd-8") + REFERENCES
 OPTIMIZERS = ("adagrad", "sgd", "momentum", "adam", "adamw")
+# The names --error-feedback takes (`common.compressors.feedback` makes each
+# the strategy of `transforms.compressed_all_reduce`).
+ERROR_FEEDBACK = ("residual", "ef21")
 
 
 def flag(default, help: str):
@@ -106,12 +109,12 @@ class TrainConfig:
               "blocks decode faster and send 32 / block bits more per value)")
     powersgd_rank: int = flag(4, "PowerSGD's rank r: columns of each low-rank factor")
     powersgd_start: int = flag(
-        10, "PowerSGD's warm-up: steps of uncompressed all-reduce before the first "
-            "compressed one")
+        10, "PowerSGD's exact steps first (its compress_after): steps of uncompressed "
+            "all-reduce before the first compressed one")
     compress_after: int = flag(
-        0, "steps of exact mean before any compressor's all-reduce starts (1-bit Adam's "
-           "warm-up; 0: compress from the first step); for PowerSGD it replaces "
-           "--powersgd-start (the same warm-up)")
+        0, "exact steps first: steps of exact mean before any compressor's all-reduce "
+           "starts (phase 'exact', 1-bit Adam's first stage; 0: compress from the first "
+           "step); for PowerSGD it replaces --powersgd-start (the same schedule)")
     error_feedback: str = flag(
         "residual", "the one-compressor all-reduces' error feedback: residual (Seide's: what "
                     "an encoding lost is added next step) or ef21 (each device tracks its "
@@ -131,7 +134,8 @@ class TrainConfig:
         0.01, "GradiVeQ's loss threshold lambda of eq. (6): the fraction of the sampled "
               "slices' energy the kept components may leave out, in [0, 1)")
     gradiveq_warmup: int = flag(
-        100, "GradiVeQ's warm-up: steps before its first sampling phase")
+        100, "GradiVeQ's lead-in: steps through its sample compressor before its first "
+             "sampling phase")
     gradiveq_sample_steps: int = flag(
         20, "GradiVeQ's L_t: steps of each sampling phase (the samples pooled into one fit)")
     gradiveq_compressed_steps: int = flag(
@@ -200,8 +204,8 @@ class TrainConfig:
         check_folder("checkpoint_dir", self.checkpoint_dir)
         if tuple(self.mesh) not in (("data",), ("node", "local")):
             raise ValueError(f"mesh must be 'data' or 'node,local', got {','.join(self.mesh)!r}")
-        if self.error_feedback not in ("residual", "ef21"):
-            raise ValueError(f"error_feedback must be 'residual' or 'ef21', "
+        if self.error_feedback not in ERROR_FEEDBACK:
+            raise ValueError(f"error_feedback must be one of {ERROR_FEEDBACK}, "
                              f"got {self.error_feedback!r}")
         if self.exchange not in ("permute", "all_to_all"):
             raise ValueError(f"exchange must be 'permute' or 'all_to_all', "

@@ -46,6 +46,19 @@ GROWTH = 1.25
 MAX_RETRIES = 6
 
 
+def _fed_back(grads, feedback) -> list:
+    """Per leaf of ``grads`` (flatten order), what error feedback adds to this
+    device's gradient before it is encoded: the residual
+    (`transforms.ResidualState`), or minus the estimate ``g_i``
+    (`transforms.EF21State`: EF21 encodes the gradient's change);
+    ``optax.MaskedNode()`` where nothing is added."""
+    treedef = jax.tree.structure(grads)
+    if isinstance(feedback, transforms.EF21State):
+        return [r if isinstance(r, optax.MaskedNode) else -r
+                for r in treedef.flatten_up_to(feedback.local_estimate)]
+    return treedef.flatten_up_to(feedback.residual)
+
+
 def _round_up(words: int, margin: float) -> int:
     if words <= 0:
         return 0
@@ -68,11 +81,11 @@ class Planner:
     def needs(self, params, opt_state, x, y):
         """Per compressed leaf (inside the mapped step): the largest bit-width
         asked for, and the stream words asked for by this batch's shares:
-        the devices' own (``gradient + residual``, the reduce-scatter; mean and
-        largest over devices and shares) and the owners' (the sums, which
-        they re-encode; largest)."""
+        the devices' own (the gradient with its error feedback, `_fed_back`;
+        the reduce-scatter; mean and largest over devices and shares) and the
+        owners' (the sums, which they re-encode; largest)."""
         _, grads = self.dp.grads(lax.pcast(params, self.axis, to="varying"), x, y)
-        residuals = jax.tree.structure(grads).flatten_up_to(opt_state[0].residual)
+        residuals = _fed_back(grads, opt_state[0].feedback)
         n = self.dp.num_devices
         chosen = transforms.leaf_compressors(grads, self.c, min_size=self.cfg.min_size)
         out = {}

@@ -81,11 +81,12 @@ def data_parallel(cfg, model, mesh) -> DataParallel:
 
         return DataModelParallel(model, mesh)
     if cfg.parallel == "fsdp":
+        from common.compressors import feedback
         from common.fsdp import ShardedDataParallel
 
         return ShardedDataParallel(model, mesh, weight_compressor=cfg.weight_compressor,
                                    min_size=cfg.fsdp_min_size,
-                                   error_feedback=cfg.fsdp_error_feedback)
+                                   error_feedback=feedback(cfg.fsdp_error_feedback))
     return DataParallel(model, mesh)
 
 

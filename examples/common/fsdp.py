@@ -67,11 +67,12 @@ class ShardedDataParallel(DataParallel):
         a node, compressed across nodes; weights gathered compressed over both).
       weight_compressor: a name of `WEIGHT_COMPRESSORS`.
       min_size: leaves with fewer values are replicated.
-      error_feedback: keep the gradients' residuals.
+      error_feedback: `transforms.residual_feedback()` keeps the gradients'
+        residuals, None keeps none (`common.compressors.feedback`).
     """
 
     def __init__(self, model, mesh=None, *, weight_compressor: str = "none",
-                 min_size: int = 2 ** 14, error_feedback: bool = True):
+                 min_size: int = 2 ** 14, error_feedback=transforms.residual_feedback()):
         super().__init__(model, mesh)
         check_names((), weight_compressor)
         self.weights = WEIGHT_COMPRESSORS[weight_compressor]()

@@ -74,13 +74,13 @@ def phase_text(result) -> str | None:
     Example:
       >>> from common.train import RunResult
       >>> r = RunResult("powersgd", [], [], [], 1_000, 20_000, 0.0, 0.0)
-      >>> r.wire_bytes_by_phase = {"compressed": 1_000, "warm-up": 20_000}
-      >>> r.phases = [["warm-up", 0, 10], ["compressed", 10, 600]]
+      >>> r.wire_bytes_by_phase = {"compressed": 1_000, "exact": 20_000}
+      >>> r.phases = [["exact", 0, 10], ["compressed", 10, 600]]
       >>> phase_text(r)
-      '10 warm-up steps at 20,000; 590 compressed at 1,000'
-      >>> r.phases = [["warm-up", 0, 300]]
+      '10 exact steps at 20,000; 590 compressed at 1,000'
+      >>> r.phases = [["exact", 0, 300]]
       >>> phase_text(r)
-      '300 warm-up steps at 20,000; 0 compressed at 1,000'
+      '300 exact steps at 20,000; 0 compressed at 1,000'
     """
     sent = result.wire_bytes_by_phase
     if len(sent) < 2 or not result.phases:

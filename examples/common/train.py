@@ -76,8 +76,8 @@ class RunResult:
       wire_bytes_by_phase: each phase's bytes per step and device, by the
         names the transformation marks them with
         (`qcollect.wire_bytes_by_phase` of the compiled step: PowerSGD's
-        ``warm-up`` and ``compressed``, GradiVeQ's ``warm-up``, ``sampling``
-        and ``compressed``, ``warm-up`` before ``cfg.compress_after``);
+        ``exact`` and ``compressed``, GradiVeQ's ``lead-in``, ``sampling``
+        and ``compressed``, ``exact`` before ``cfg.compress_after``);
         empty for an all-reduce of one phase.
       phases: the run's schedule, ``[name, start, stop]`` for each run of
         steps ``start .. stop - 1`` in one phase (`Communication.phases`);
@@ -127,7 +127,8 @@ def make_optimizer(cfg, learning_rate: float | optax.Schedule | None = None, *,
       cfg: a `TrainConfig` (``optimizer``, ``learning_rate``).
       learning_rate: a step size or an optax schedule (default ``cfg.learning_rate``).
       weight_decay: AdamW's decoupled weight decay, applied to matrices only
-        (kernels, embeddings; not biases or LayerNorm scales).
+        (kernels, embeddings; not biases or LayerNorm scales): the mask is
+        `transforms.matrices`, the rule of the all-reduce's ``compress_if``.
 
     Example:
       >>> from common.config import TrainConfig
@@ -138,16 +139,13 @@ def make_optimizer(cfg, learning_rate: float | optax.Schedule | None = None, *,
     if cfg.freeze_variance:
         return transforms.frozen_adamw(lr, cfg.compress_after,
                             weight_decay=weight_decay if cfg.optimizer == "adamw" else 0.0,
-                            mask=_matrices)
+                            mask=transforms.matrices())
     return {"adagrad": lambda: optax.adagrad(lr), "sgd": lambda: optax.sgd(lr),
             "momentum": lambda: optax.sgd(lr, momentum=0.9),
             "adam": lambda: optax.adam(lr),
-            "adamw": lambda: optax.adamw(lr, weight_decay=weight_decay, mask=_matrices),
+            "adamw": lambda: optax.adamw(lr, weight_decay=weight_decay,
+                                         mask=transforms.matrices()),
             }[cfg.optimizer]()
-
-
-def _matrices(params):
-    return jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
 
 
 def cross_entropy(logits, labels):
@@ -498,8 +496,8 @@ def _measure_wire(result: RunResult, step, args: tuple, mesh, phased: bool) -> N
 
 def warn_if_never_compressed(name: str, schedule, total: int) -> None:
     """A `UserWarning` when a phased all-reduce's schedule has steps but none
-    of them compressed: the run ends in its warm-up (PowerSGD's
-    ``--powersgd-start``, GradiVeQ's warm-up and first sampling steps,
+    of them compressed: the run ends in its first phases (PowerSGD's
+    ``--powersgd-start``, GradiVeQ's lead-in and first sampling steps,
     ``--compress-after``), and its cheapest phase, which the table leads with,
     never ran.
 
@@ -508,17 +506,17 @@ def warn_if_never_compressed(name: str, schedule, total: int) -> None:
       >>> with warnings.catch_warnings(record=True) as caught:
       ...     warnings.simplefilter("always")
       ...     warn_if_never_compressed("powersgd",
-      ...                              transforms.powersgd_phases(300, start_iter=1000), 300)
+      ...                              transforms.CompressAfter(1000).spans(300), 300)
       >>> print(caught[0].message)
-      powersgd: the run's 300 steps end before its first compressed step (300 warm-up); ...
+      powersgd: the run's 300 steps end before its first compressed step (300 exact); ...
     """
     steps = transforms.steps_per_phase(schedule)
     if not steps or steps.get("compressed", 0):
         return
     spent = ", ".join(f"{count} {phase}" for phase, count in steps.items())
     warnings.warn(f"{name}: the run's {total} steps end before its first compressed step "
-                  f"({spent}); it sends its warm-up's bytes every step. Shorten the "
-                  "warm-up or run longer.", UserWarning, stacklevel=3)
+                  f"({spent}); it sends those phases' bytes every step. Shorten them "
+                  "or run longer.", UserWarning, stacklevel=3)
 
 
 def with_image_shape(data, shape):

@@ -95,9 +95,9 @@ def phase_bytes(result) -> dict[str, int]:
 
     ``RunResult.wire_bytes_by_phase``, by the names the transformation
     marks its phases with (`qcollect.wire_bytes_by_phase` of the compiled
-    step): PowerSGD ``{"warm-up": ..., "compressed": ...}``, GradiVeQ
-    ``{"warm-up": ..., "sampling": ..., "compressed": ...}``, and the other
-    compressors ``{"warm-up": ..., "compressed": ...}`` with ``cfg.compress_after``;
+    step): PowerSGD ``{"exact": ..., "compressed": ...}``, GradiVeQ
+    ``{"lead-in": ..., "sampling": ..., "compressed": ...}``, and the other
+    compressors ``{"exact": ..., "compressed": ...}`` with ``cfg.compress_after``;
     ``{"steady": ...}`` for an all-reduce of one phase. ``RunResult.phases``
     says which steps fall in which.
 
@@ -106,8 +106,8 @@ def phase_bytes(result) -> dict[str, int]:
       >>> r = RunResult("qsgd-4", [], [], [], 100, 100, 0.0, 0.0)
       >>> phase_bytes(r)
       {'steady': 100}
-      >>> r.wire_bytes_by_phase = {"compressed": 100, "warm-up": 800}
+      >>> r.wire_bytes_by_phase = {"compressed": 100, "exact": 800}
       >>> phase_bytes(r)
-      {'compressed': 100, 'warm-up': 800}
+      {'compressed': 100, 'exact': 800}
     """
     return dict(result.wire_bytes_by_phase) or {"steady": result.wire_bytes}

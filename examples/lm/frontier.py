@@ -2,14 +2,17 @@
 
     python examples/lm/frontier.py                 # every point, 600 steps (hours on 2 cores)
     python examples/lm/frontier.py --list          # the points and their settings
-    python examples/lm/frontier.py --only none,qsgd-4,onebit-w120-frozen
+    python examples/lm/frontier.py --steps 1800 --output-dir examples/results/lm_frontier_1800
+    python examples/lm/frontier.py --only none,qsgd-4,onebit-exact20%-frozen
     python examples/lm/frontier.py --seeds 1       # one seed per point
 
 Trains the language model of ``examples/lm`` (its defaults: a 4 x 128 GPT,
 AdamW with warm-up and cosine decay, 4 simulated devices) once per point
-and seed: each point is a compressor with a recipe (an exact warm-up,
+and seed: each point is a compressor with a recipe (exact steps first,
 Adam's variance frozen, EF21 error feedback, zero-gradient masks,
-PowerSGD's rank, DiLoCo's H and outer compressor). Every point runs with
+PowerSGD's rank, DiLoCo's H and outer compressor). A point's name says its
+exact steps as a share of the run (``onebit-exact20%-frozen``: 120 of 600
+steps, 360 of 1,800), so runs of any length name a recipe alike. Every point runs with
 seed 0; the points within ``--within`` (5%) of ``none`` run with every seed
 of ``--seeds`` (3), as does ``none``. Results are kept per run in
 ``{output_dir}/frontier.json``, so an interrupted run resumes where it
@@ -17,7 +20,7 @@ stopped and ``--only`` adds points to an existing frontier; ``frontier.md``
 and ``frontier.png`` (a Pareto plot, log x) are written from all of them.
 
 Bytes per step are measured from the compiled step (`qcollect.wire_bytes`
-per phase, weighted by the steps of each phase: a warm-up's exact steps
+per phase, weighted by the steps of each phase: the exact steps first
 count), per device; DiLoCo's are its mean per step over the run.
 """
 
@@ -41,54 +44,113 @@ from lm import frontier_report, report  # noqa: E402
 from lm import main as lm_main  # noqa: E402
 from lm.config import Config  # noqa: E402
 
-#: Point name -> the example's flags (as `Config` fields) that make it.
-#: ``K`` and ``W`` are filled from the run length: 10% and 20% of the steps.
-POINTS: dict[str, dict] = {
-    "none": {"compressors": ("none",)},
-    "bf16": {"compressors": ("bf16",)},
-    "qsgd-8": {"compressors": ("qsgd-8",)},
-    "qsgd-4": {"compressors": ("qsgd-4",)},
-    "qsgd-2": {"compressors": ("qsgd-2",)},
-    "qsgd-4-w60": {"compressors": ("qsgd-4",), "compress_after": "K"},
-    "qsgd-4-w60-frozen": {"compressors": ("qsgd-4",), "compress_after": "K",
-                          "freeze_variance": True},
-    "onebit": {"compressors": ("onebit",)},
-    "onebit-w60": {"compressors": ("onebit",), "compress_after": "K"},
-    "onebit-w120": {"compressors": ("onebit",), "compress_after": "W"},
-    "onebit-w60-frozen": {"compressors": ("onebit",), "compress_after": "K",
-                          "freeze_variance": True},
-    "onebit-w120-frozen": {"compressors": ("onebit",), "compress_after": "W",
-                           "freeze_variance": True},
-    "onebit-ef21": {"compressors": ("onebit",), "error_feedback": "ef21"},
-    "onebit-w120-frozen-ef21": {"compressors": ("onebit",), "compress_after": "W",
-                                "freeze_variance": True, "error_feedback": "ef21"},
-    "onebit-w120-frozen-mask": {"compressors": ("onebit",), "compress_after": "W",
-                                "freeze_variance": True, "mask_zero_rows": True},
-    **{f"powersgd-r{r}": {"compressors": ("powersgd",), "powersgd_rank": r,
-                          "powersgd_start": 30} for r in (4, 8, 16, 32)},
-    "gradiveq": {"compressors": ("gradiveq",)},
-    "adaptive": {"compressors": ("adaptive",)},
-    **{f"diloco-h{h}-{outer}": {"compressors": (), "diloco_every": h,
-                                 "outer_compressor": (outer,), "diloco_sync_first": "W"}
-       for h in (10, 50) for outer in ("none", "qsgd-4", "qsgd-2")},
-}
+#: The points: the example's flags (as `Config` fields) that make each. A
+#: share such as ``"10%"`` is that share of the run's steps (rounded down).
+#: A point's name comes from its settings and the run's steps (`name_of`).
+POINTS: tuple[dict, ...] = (
+    {"compressors": ("none",)},
+    {"compressors": ("bf16",)},
+    {"compressors": ("qsgd-8",)},
+    {"compressors": ("qsgd-4",)},
+    {"compressors": ("qsgd-2",)},
+    {"compressors": ("qsgd-4",), "compress_after": "10%"},
+    {"compressors": ("qsgd-4",), "compress_after": "10%", "freeze_variance": True},
+    {"compressors": ("onebit",)},
+    {"compressors": ("onebit",), "compress_after": "10%"},
+    {"compressors": ("onebit",), "compress_after": "20%"},
+    {"compressors": ("onebit",), "compress_after": "10%", "freeze_variance": True},
+    {"compressors": ("onebit",), "compress_after": "20%", "freeze_variance": True},
+    {"compressors": ("onebit",), "error_feedback": "ef21"},
+    {"compressors": ("onebit",), "compress_after": "20%", "freeze_variance": True,
+     "error_feedback": "ef21"},
+    {"compressors": ("onebit",), "compress_after": "20%", "freeze_variance": True,
+     "mask_zero_rows": True},
+    *({"compressors": ("powersgd",), "powersgd_rank": r, "powersgd_start": 30}
+      for r in (4, 8, 16, 32)),
+    {"compressors": ("gradiveq",)},
+    {"compressors": ("adaptive",)},
+    *({"compressors": (), "diloco_every": h, "outer_compressor": (outer,),
+       "diloco_sync_first": "20%"} for h in (10, 50) for outer in ("none", "qsgd-4", "qsgd-2")),
+)
 
 
-def settings_of(name: str, steps: int) -> dict:
-    """The `Config` fields of point ``name`` for a run of ``steps`` steps.
+def points(steps: int) -> dict[str, dict]:
+    """Every point of `POINTS` by name, its settings for a run of ``steps`` steps.
 
     Example:
-      >>> settings_of("onebit-w120-frozen", 600)["compress_after"]
+      >>> points(600)["onebit-exact20%-frozen"]["compress_after"]
       120
+      >>> points(1800)["onebit-exact20%-frozen"]["compress_after"]
+      360
     """
-    fill = {"K": steps // 10, "W": steps // 5}
-    return {k: fill.get(v, v) if isinstance(v, str) else v for k, v in POINTS[name].items()}
+    out = {name_of(point, steps): {k: _steps(v, steps) for k, v in point.items()}
+           for point in POINTS}
+    if len(out) != len(POINTS):
+        raise ValueError("two points of POINTS have one name: name_of must tell them apart")
+    return out
+
+
+def _steps(value, steps: int):
+    """A share of the run (``"10%"``) as steps, any other setting as it is."""
+    if isinstance(value, str) and value.endswith("%"):
+        return steps * int(value[:-1]) // 100
+    return value
+
+
+def name_of(settings: dict, steps: int) -> str:
+    """A point's name from its settings (shares, as in `POINTS`, or steps, as
+    a run records them) in a run of ``steps`` steps: the compressor
+    (``powersgd-r8``; DiLoCo's every ``h`` steps and outer compressor,
+    ``diloco-h10-qsgd-4``), then its exact steps first as their share of the
+    run (``exact10%``: the same name at 600 steps and at 1,800), ``frozen``
+    (Adam's variance), ``ef21``, ``mask`` (zero rows).
+
+    Example:
+      >>> settings = {"compressors": ["onebit"], "compress_after": 60, "freeze_variance": True}
+      >>> name_of(settings, 600), name_of({**settings, "compress_after": 180}, 1800)
+      ('onebit-exact10%-frozen', 'onebit-exact10%-frozen')
+    """
+    if settings.get("diloco_every"):
+        (outer,) = settings["outer_compressor"]
+        parts = [f"diloco-h{settings['diloco_every']}-{outer}"]
+    else:
+        (compressor,) = settings["compressors"]
+        parts = [compressor + (f"-r{settings['powersgd_rank']}"
+                               if compressor == "powersgd" else "")]
+    exact = settings.get("compress_after")
+    if exact:
+        parts.append(f"exact{exact}" if isinstance(exact, str) else
+                     f"exact{100 * exact / steps:.0f}%")
+    parts += [part for part, on in (("frozen", settings.get("freeze_variance")),
+                                    ("ef21", settings.get("error_feedback") == "ef21"),
+                                    ("mask", settings.get("mask_zero_rows"))) if on]
+    return "-".join(parts)
+
+
+def renamed(runs: frontier_report.Runs, steps: int) -> frontier_report.Runs:
+    """Recorded runs under the names of today's points: a run whose name is
+    not one (recorded when names said the exact steps as a count of a
+    600-step run, ``onebit-w120-frozen``) gets the name `name_of` gives its
+    settings (``onebit-exact20%-frozen``).
+
+    Example:
+      >>> old = {"name": "qsgd-4-w60", "seed": 0,
+      ...        "settings": {"compressors": ["qsgd-4"], "compress_after": 60}}
+      >>> list(renamed({("qsgd-4-w60", 0): old}, 600))
+      [('qsgd-4-exact10%', 0)]
+    """
+    known = points(steps)
+    out = {}
+    for (name, seed), run in runs.items():
+        name = name if name in known else name_of(run["settings"], steps)
+        out[(name, seed)] = {**run, "name": name}
+    return out
 
 
 def measure(name: str, seed: int, base: Config, corpus) -> dict:
     """One run of point ``name``: its final validation bits per byte, its
     curve, and the bytes each device sends per step on average."""
-    settings = settings_of(name, base.steps)
+    settings = points(base.steps)[name]
     with tempfile.TemporaryDirectory() as scratch:
         cfg = dataclasses.replace(base, **settings, seed=seed, output_dir=scratch)
         result = lm_main.run(cfg, corpus)[-1]
@@ -131,9 +193,11 @@ def main(argv=None) -> dict:
                              "frontier.json")
     parser.add_argument("--list", action="store_true", help="print the points and exit")
     args, rest = parser.parse_known_args(argv)
-    names = [n for n in args.only.split(",") if n] or list(POINTS)
+    base = parse_config(Config, [*rest, "--progress", "false"])
+    known = points(base.steps)
+    names = [n for n in args.only.split(",") if n] or list(known)
     names = names if "none" in names else ["none", *names]   # the reference, always
-    unknown = [n for n in names if n not in POINTS]
+    unknown = [n for n in names if n not in known]
     if unknown or args.seeds < 1 or not 0 < args.within < 1:
         parser.error(f"unknown points {unknown} (see --list), or --seeds < 1, or --within "
                      f"outside (0, 1)")
@@ -142,14 +206,16 @@ def main(argv=None) -> dict:
     except ValueError as err:
         parser.error(str(err))
     if args.list:
-        for n in POINTS:
-            print(f"{n}: {settings_of(n, 600)}")
+        for n, settings in known.items():
+            print(f"{n}: {settings}")
         return {}
-    base = parse_config(Config, [*rest, "--progress", "false"])
     out = pathlib.Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     store = out / "frontier.json"
-    done = frontier_report.load(store, base.steps)
+    recorded = frontier_report.load(store, base.steps)
+    done = renamed(recorded, base.steps)
+    if list(done) != list(recorded):   # a record of older names: kept under today's
+        frontier_report.store(store, base.steps, done)
     corpus = load_stdlib(base.corpus_dir or None)
     while todo := plan(names, args.seeds, done, args.within):
         name, seed = todo[0]

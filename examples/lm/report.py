@@ -5,7 +5,7 @@ computed from the config. The cumulative bytes of a run add each step's
 measured cost: the bytes of the phase the step falls in
 (`common.wire_split.phase_bytes`, measured on the compiled step by phase
 name) on the run's schedule (`RunResult.phases`, from the transformation's
-own: `transforms.powersgd_phases`, `transforms.gradiveq_phases`; the example
+own: ``transforms.CompressAfter(K).spans``, `transforms.gradiveq_phases`; the example
 sets no stop-early vote, so GradiVeQ's schedule is exact).
 """
 
@@ -27,8 +27,8 @@ def bytes_per_step(schedule, phases: dict, steps: int) -> np.ndarray:
     each phase's measured bytes (`common.wire_split.phase_bytes`).
 
     Example:
-      >>> schedule = [["warm-up", 0, 2], ["compressed", 2, 4]]
-      >>> bytes_per_step(schedule, {"warm-up": 40, "compressed": 10}, 4).tolist()
+      >>> schedule = [["exact", 0, 2], ["compressed", 2, 4]]
+      >>> bytes_per_step(schedule, {"exact": 40, "compressed": 10}, 4).tolist()
       [40, 40, 10, 10]
       >>> bytes_per_step([], {"steady": 7}, 3).tolist()
       [7, 7, 7]

@@ -14,8 +14,10 @@ frontier (`lm.frontier`: the mean curve over its seeds, evaluated every 30
 steps, interpolated linearly between evaluations; the losses do not depend
 on the process layout, `tests/test_lm_example.py`), and the seconds per
 step from the shaped runs (the median step of each compressor). A point's
-time is the sum of its steps' times by phase: an exact warm-up step (or a
-synchronous step before DiLoCo) costs ``none``'s step; a DiLoCo inner step
+time is the sum of its steps' times by phase, the phases being the spans of
+the schedule the point's transformation runs (`common.compressors.phases_of`):
+an ``"exact"`` step (or a synchronous step before DiLoCo) costs ``none``'s
+step, every other step the point's compressed step; a DiLoCo inner step
 costs ``local``'s (no all-reduce), and each outer step adds one exchange of
 the outer compressor, its step minus ``local``'s. Frozen variance, EF21 and
 masks are timed as their compressor's step. The target is ``none``'s mean
@@ -27,12 +29,20 @@ never reaches it is listed with its final gap. Writes
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import pathlib
+import sys
 
 import numpy as np
 from matplotlib.figure import Figure
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import transforms  # noqa: E402
+from common.compressors import phases_of  # noqa: E402
+from lm.config import Config  # noqa: E402
 
 
 def mean_curve(runs: list[dict]) -> tuple[np.ndarray, np.ndarray]:
@@ -75,16 +85,43 @@ def seconds(settings: dict, steps: float, t: dict[str, float]) -> float:
       ...          "diloco_sync_first": 10}, 30, t)
       15.5
     """
-    if settings.get("diloco_every"):
-        sync = min(steps, settings.get("diloco_sync_first", 0))
-        inner = steps - sync
-        (outer,) = settings["outer_compressor"]
-        rounds = math.floor(inner / settings["diloco_every"])
-        return sync * t["none"] + inner * t["local"] + rounds * (t[outer] - t["local"])
-    warm = settings.get("compress_after") or (
-        settings.get("powersgd_start", 0) if settings["compressors"] == ["powersgd"] else 0)
-    exact = min(steps, warm)
+    cfg = point_config(settings)
+    if cfg.diloco_every:
+        return diloco_seconds(cfg, steps, t)
+    exact = sum(max(0.0, min(stop, steps) - start)
+                for name, start, stop in spans(cfg, math.ceil(steps)) if name == "exact")
     return exact * t["none"] + (steps - exact) * t[step_key(settings)]
+
+
+def point_config(settings: dict) -> Config:
+    """The example's `Config` with a point's settings (its defaults for the rest)."""
+    fields = {f.name for f in dataclasses.fields(Config)}
+    return dataclasses.replace(Config(), **{k: tuple(v) if isinstance(v, list) else v
+                                            for k, v in settings.items() if k in fields})
+
+
+def spans(cfg: Config, steps: int) -> tuple:
+    """The phases of a point's first ``steps`` steps: the spans of the
+    schedule its transformation runs (`common.compressors.phases_of`)."""
+    (name,) = cfg.compressors
+    phases = phases_of(name, cfg)
+    return phases(steps) if phases is not None else ()
+
+
+def diloco_seconds(cfg: Config, steps: float, t: dict[str, float]) -> float:
+    """A DiLoCo point's seconds from `transforms.diloco_schedule` of each step:
+    a synchronous step costs ``none``'s, every other ``local``'s, and each
+    fragment's outer step adds its share of one outer exchange."""
+    n = math.ceil(steps)
+    at = transforms.diloco_schedule(np.arange(n), every=cfg.diloco_every,
+                                    fragments=cfg.fragments, delay=cfg.diloco_delay,
+                                    sync_first=cfg.diloco_sync_first)
+    whole = np.minimum(np.maximum(steps - np.arange(n), 0.0), 1.0)  # the last step's share
+    sync = float(np.sum(whole * np.asarray(at.synchronous)))
+    exchanges = float(np.sum(whole * (np.asarray(at.syncs) >= 0))) / cfg.fragments
+    (outer,) = cfg.outer_compressor
+    return (sync * t["none"] + (steps - sync) * t["local"]
+            + exchanges * (t[outer] - t["local"]))
 
 
 def step_times(folder: pathlib.Path, rate: int) -> dict[str, float]:

@@ -120,7 +120,7 @@ def method_compressor(method: str, size: int, n: int) -> tuple[qc.Compressor, qc
     return compressor(), algorithm
 
 
-def _reducer(method: str, size: int, n: int, transport: bool = False, leaves: int = 1,
+def reducer(method: str, size: int, n: int, transport: bool = False, leaves: int = 1,
              bucket_bytes: int = qc.BUCKET_BYTES) -> Reducer:
     """``v -> estimate of the sum over every device`` for one method: over axis
     ``"d"``, or hierarchically over `NODE_AXES` for ``METHOD/h`` (``transport``:
@@ -173,7 +173,7 @@ def variants(methods: list[str], pipelines: list[int], hierarchical: bool = Fals
     return out
 
 
-def _buffers(size: int, mesh: jax.sharding.Mesh) -> jax.Array:
+def buffers(size: int, mesh: jax.sharding.Mesh) -> jax.Array:
     """``(devices, size)`` float32, gradient-like, a different draw per process,
     split over all of ``mesh``'s axes."""
     local = _structured(size, jax.local_device_count(), seed=1 + jax.process_index())
@@ -225,14 +225,14 @@ def across_nodes(fn: Callable[..., Any], x: Any, grid: jax.sharding.Mesh) -> int
     return qc.bytes_along(qc.wire_bytes_by_axis(fn, x, mesh=grid), NODE_AXES[0])
 
 
-def _values(mib: float, leaves: int = 1) -> int:
+def buffer_values(mib: float, leaves: int = 1) -> int:
     """float32 values in ``mib`` MiB, a multiple of 64 (PCA's slices) per leaf,
     at least 64 per leaf."""
     unit = 64 * leaves
     return max(unit, int(round(mib * MIB / 4 / unit)) * unit)
 
 
-def _mapped(fn: Reducer, mesh: jax.sharding.Mesh) -> Callable[..., jax.Array]:
+def mapped(fn: Reducer, mesh: jax.sharding.Mesh) -> Callable[..., jax.Array]:
     """``jit(shard_map)`` of a per-device ``fn`` over rows of an array split
     over all of ``mesh``'s axes."""
     spec = P(tuple(mesh.axis_names))
@@ -263,14 +263,14 @@ def measure(sizes_mib: list[float], methods: list[str], repeats: int,
               "interleaved runs", flush=True)
         print(table_header(nodes=grid is not None), flush=True)
     for mib in sizes_mib:
-        size = _values(mib, leaves)
-        x = _buffers(size, mesh)
-        xg = None if grid is None else _buffers(size, grid)
+        size = buffer_values(mib, leaves)
+        x = buffers(size, mesh)
+        xg = None if grid is None else buffers(size, grid)
 
         def call(m: str, transport: bool = False, size: int = size, x: jax.Array = x,
                  xg: jax.Array | None = xg) -> Call:
             on_grid = m.partition(":")[0].partition("@")[0].endswith(HIERARCHICAL)
-            return (_mapped(_reducer(m, size, n, transport, leaves, bucket_bytes),
+            return (mapped(reducer(m, size, n, transport, leaves, bucket_bytes),
                             grid if on_grid else mesh),
                     (xg if on_grid else x,))
 
@@ -323,11 +323,11 @@ def swap_probe(sizes_mib: list[float], repeats: int) -> str | None:
              "| collective-permutes (one / pieces) |",
              "|---:|---:|---:|---:|---:|"]
     for mib in sizes_mib:
-        x = _buffers(_values(mib), mesh)
+        x = buffers(buffer_values(mib), mesh)
         fns = {"whole": lambda v: lax.ppermute(v, "d", perm),
                "pieces": lambda v: qc.permute(v, "d", perm),
                "psum": lambda v: lax.psum(v, "d")}
-        calls = {k: (_mapped(f, mesh), (x,)) for k, f in fns.items()}
+        calls = {k: (mapped(f, mesh), (x,)) for k, f in fns.items()}
         t = interleaved_medians(calls, repeats)
         count = {k: sum(op.multiplicity for op in qc.wire_report(calls[k][0], *calls[k][1])
                         if op.op == "collective-permute") for k in ("whole", "pieces")}
@@ -363,9 +363,9 @@ def message_probe(sizes_mib: list[float], repeats: int,
              "(per array / one buffer) |", "|---:|---|---:|---:|---|"]
     for mib in sizes_mib:
         for k in leaves:
-            x = _buffers(_values(mib, k), mesh)
+            x = buffers(buffer_values(mib, k), mesh)
             lines.append(_probe_row(_split_sums(k), x, mesh, repeats, f"{mib:g} | {k} (psum)"))
-        x = _buffers(_values(mib), mesh)
+        x = buffers(buffer_values(mib), mesh)
         fns: dict[str, Reducer] = {"apart": lambda v: onebit.decode(jax.tree.map(
                    lambda a: lax.ppermute(a, "d", perm), onebit.encode(v))),
                "packed": lambda v: onebit.decode(qc.permute(onebit.encode(v), "d", perm))}
@@ -391,7 +391,7 @@ def _split_sums(k: int) -> dict[str, Reducer]:
 def _probe_row(fns: dict[str, Reducer], x: jax.Array, mesh: jax.sharding.Mesh, repeats: int,
                label: str) -> str:
     """One row of the message probe: ``fns["apart"]`` beside ``fns["packed"]``."""
-    calls = {k: (_mapped(f, mesh), (x,)) for k, f in fns.items()}
+    calls = {k: (mapped(f, mesh), (x,)) for k, f in fns.items()}
     t = interleaved_medians(calls, repeats)
     arrays = " / ".join(_arrays_per_collective(calls[k][0], x) for k in ("apart", "packed"))
     return f"| {label} | {1e3 * t['apart']:.1f} | {1e3 * t['packed']:.1f} | {arrays} |"
@@ -414,8 +414,8 @@ def node_probe(sizes_mib: list[float], repeats: int) -> str | None:
     lines = ["| MiB / device | psum_scatter ms | ring reduce-scatter ms | psum ms "
              "| all_gather ms | psum over node ms |", "|---:|---:|---:|---:|---:|---:|"]
     for mib in sizes_mib:
-        size = _values(mib) // local * local
-        x = _buffers(size, grid)
+        size = buffer_values(mib) // local * local
+        x = buffers(size, grid)
         shard = size // local
 
         def all_gather(v: jax.Array, n: int = shard) -> jax.Array:
@@ -427,7 +427,7 @@ def node_probe(sizes_mib: list[float], repeats: int) -> str | None:
                "psum": lambda v: lax.psum(v, "local"),
                "all_gather": all_gather,
                "node": lambda v: lax.psum(v, "node")}
-        t = interleaved_medians({k: (_mapped(f, grid), (x,)) for k, f in fns.items()}, repeats)
+        t = interleaved_medians({k: (mapped(f, grid), (x,)) for k, f in fns.items()}, repeats)
         lines.append(f"| {mib:g} | " + " | ".join(f"{1e3 * t[k]:.1f}" for k in fns) + " |")
         if jax.process_index() == 0:
             print(lines[-1] if len(lines) > 3 else "\n".join(lines), flush=True)

@@ -38,9 +38,11 @@ in one run:
    step, bounded, like the codecs alone, by the bytes it moves; ``local``
    shows what ``none``'s all-reduce of one device still costs (XLA:CPU
    runs it as a copy of the gradients; the ratios to ``none`` are low by
-   that much). This part
-   needs the repository's ``examples/`` folder
-   (`qcollect.bench.training.examples_dir`); without it, it is skipped.
+   that much). The step is Flax and optax code, so this part is an example
+   program of the checkout, ``examples/lm/step_time.py``, run as a
+   subprocess on the same device (`qcollect.bench._device_lm`; found by
+   its path in the examples folder, `qcollect.bench.training.examples_dir`,
+   never imported); without the folder it is skipped and says so.
 4. with more than one device on an accelerator platform, the network
    benchmark's methods (`qcollect.bench._network`: ``psum``, the ring and
    the compressed all-reduces) over every device of this process on
@@ -56,11 +58,11 @@ in one run:
    ``none``'s for reference).
 
 Times are medians of ``--repeats`` interleaved repetitions
-(`qcollect.bench._timing.interleaved_medians`); each timed call dispatches
+(`qcollect.bench.device_timing.medians`); each timed call dispatches
 its program back to back and waits for the last, as many times as fit in
 about 10 ms (at most ``--calls``), so that the dispatch latency of one call
 (tens of microseconds, as long as a 64M-value kernel on a GPU) is spread
-over them.
+over them. Parts 1 and 2 are `qcollect.bench._device_codecs`'s.
 
 Run it on the GPU machine as it is::
 
@@ -88,31 +90,19 @@ import dataclasses
 import json
 import pathlib
 import sys
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
 import qcollect as qc
-from qcollect.bench._device_report import (
-    ROUND_TRIP_TARGETS,
-    STEP_OVERHEAD_TARGET,
-    markdown,
-    targets,
-)
-from qcollect.bench._timing import Call, interleaved_medians, time_once
-from qcollect.bench.passes import bandwidths, stream_calls
+from qcollect.bench._device_codecs import codec_rows, copy_bandwidth
+from qcollect.bench._device_lm import MODEL, lm_names, lm_part
+from qcollect.bench._device_report import ROUND_TRIP_TARGETS, markdown, targets
+from qcollect.bench.device_timing import Call, Clock, Say, failure, medians, profile_of
 from qcollect.bench.quantizers import COMPRESSORS, gradient_like
 
-#: Example names that run other transforms, plans or phases (not one
-#: compressor through `transforms.compressed_all_reduce`).
-OTHER_TRANSFORMS = ("entropy", "powersgd", "gradiveq")
-#: A timed call is repeated back to back up to about this long (`_medians`).
-BATCH_SECONDS = 0.01
-#: Prints a progress line.
-Say = Callable[[str], None]
+__all__ = ["QUICK", "QUICK_LM", "Setting", "main", "network_rows", "profile_of", "run"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,264 +131,30 @@ QUICK = Setting(rows=256, cols=256, stream_values=1 << 22, width=32, depth=1, he
 QUICK_LM = ("none", "local", "qsgd-4")
 
 
-@dataclasses.dataclass
-class Clock:
-    """The run's time budget: `out` once ``budget`` seconds have passed
-    since ``start``."""
-
-    budget: float
-    start: float = dataclasses.field(default_factory=time.perf_counter)
-
-    def elapsed(self) -> float:
-        """Seconds since the start."""
-        return time.perf_counter() - self.start
-
-    def out(self) -> bool:
-        """Whether the budget is spent."""
-        return self.elapsed() > self.budget
-
-    def why(self) -> str:
-        """What a row skipped for time says."""
-        return f"not measured: the run's {self.budget:g} s budget (--budget) was spent"
-
-
-def _repeated(fn: Callable[..., Any], calls: int) -> Callable[..., Any]:
-    """``fn`` dispatched ``calls`` times back to back; the last result."""
-
-    def run(*args: Any) -> Any:
-        out = fn(*args)
-        for _ in range(calls - 1):
-            out = fn(*args)
-        return out
-
-    return run
-
-
-def _medians(timed: dict[str, Call], repeats: int, calls: int) -> dict[str, float]:
-    """Median seconds of one call of each of ``timed``: each runs `_repeated`
-    as many times as fit in `BATCH_SECONDS` (1 to ``calls``), once compiled."""
-    counts = {}
-    for name, (fn, args) in timed.items():
-        jax.block_until_ready(fn(*args))
-        once = time_once(fn, *args)
-        counts[name] = max(1, min(calls, int(BATCH_SECONDS / max(once, 1e-9))))
-    batched = {name: (_repeated(fn, counts[name]), args) for name, (fn, args) in timed.items()}
-    return {name: s / counts[name] for name, s in interleaved_medians(batched, repeats).items()}
-
-
-def _failure(err: BaseException) -> str:
-    """One line saying what failed (a part's or a row's ``error``)."""
-    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
-
-
-def copy_bandwidth(x: jax.Array, repeats: int, calls: int) -> tuple[dict[str, float], str]:
-    """Bytes per second of the STREAM read, copy and triad over arrays like
-    ``x`` and ``"best"``, and how their bytes were counted: the compiled
-    kernels' (`qcollect.bench.passes.bandwidths`), or, where the compiled
-    program cannot be read, the bytes the kernels must move (4n, 8n, 12n)."""
-    stream = stream_calls(x, x * 2)
-    seconds = _medians(stream, repeats, calls)
-    try:
-        return bandwidths(stream, seconds), "bytes of the compiled kernels"
-    except Exception:  # noqa: BLE001 - an unknown backend's HLO; the plain bytes hold
-        must = {"read": 4, "copy": 8, "triad": 12}
-        rates = {k: must[k] * x.size / seconds[f"stream {k}"] for k in must}
-        return {**rates, "best": max(rates.values())}, "bytes the kernels must move"
-
-
-def _round_trip_traffic(fn: Callable[..., Any], args: tuple[Any, ...], seconds: float,
-                        copy: float) -> dict[str, Any]:
-    """The compiled round trip's memory-touching kernels and their bytes
-    (`qcollect.memory_report`), and that traffic's rate over ``copy``."""
-    try:
-        kernels = qc.memory_report(fn, *args)
-    except Exception as err:  # noqa: BLE001 - the timings stand without it
-        return {"round_trip_compiled_bytes": None, "round_trip_traffic_error": _failure(err)}
-    moved = sum(k.traffic for k in kernels)
-    return {"round_trip_kernels": len(kernels), "round_trip_compiled_bytes": moved,
-            "round_trip_compiled_of_copy": moved / seconds / copy}
-
-
-def codec_row(name: str, x: jax.Array, s: Setting, copy: float
-              ) -> tuple[dict[str, Any], Call]:
-    """Encode, decode and the round trip of compressor ``name`` on ``x``, as
-    ms, GB/s of the bytes they must move and fractions of ``copy`` (bytes
-    per second), with the compiled round trip's traffic; and the round trip
-    as a call (for a profile)."""
-    key = jax.random.key(1)
-    n = x.size
-    c = COMPRESSORS[name](x)
-    encode, decode = jax.jit(c.encode), jax.jit(c.decode)
-    payload = encode(x, key)
-    round_trip = jax.jit(lambda x, k, c=c: x - c.round_trip(x, k)[1])
-    seconds = _medians({"encode": (encode, (x, key)), "decode": (decode, (payload,)),
-                        "round_trip": (round_trip, (x, key))}, s.repeats, s.calls)
-    sent = qc.payload_bytes(payload)
-    moved = {"encode": 4 * n + sent, "decode": sent + 4 * n, "round_trip": 8 * n}
-    row: dict[str, Any] = {"compressor": name, "bits_per_element": 8 * sent / n}
-    for part, count in moved.items():
-        rate = count / seconds[part]
-        row.update({f"{part}_ms": 1e3 * seconds[part], f"{part}_bytes": count,
-                    f"{part}_gbs": rate / 1e9, f"{part}_of_copy": rate / copy})
-    row.update(_round_trip_traffic(round_trip, (x, key), seconds["round_trip"], copy))
-    return row, (round_trip, (x, key))
-
-
-def profile_of(fn: Callable[..., Any], args: tuple[Any, ...], top: int) -> dict[str, Any]:
-    """The ``top`` operations of a jitted call by device time
-    (`qcollect.bench._profile.op_times`) and all operations' total, or
-    what failed."""
-    from qcollect.bench._profile import op_times
-
-    try:
-        ops = op_times(fn.lower(*args).compile(), args)  # type: ignore[attr-defined]
-    except Exception as err:  # noqa: BLE001 - a profiler missing on the device
-        return {"error": _failure(err)}
-    return {"top": [list(op) for op in ops[:top]], "total_ms": sum(ms for _, ms in ops)}
-
-
-def codec_rows(x: jax.Array, names: Sequence[str], s: Setting, copy: float, clock: Clock,
-               say: Say) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
-    """`codec_row` of each of ``names`` as it is measured, with the profile
-    of its round trip when below its target (`_device_report.ROUND_TRIP_TARGETS`);
-    a failing one says why and the rest still run; past the budget the
-    rest are skipped."""
-    for name in names:
-        if clock.out():
-            yield {"compressor": name, "skipped": clock.why()}, {}
-            continue
-        try:
-            row, call = codec_row(name, x, s, copy)
-        except Exception as err:  # noqa: BLE001 - one codec failing is itself a finding
-            say(f"{name}: failed: {_failure(err)}")
-            yield {"compressor": name, "error": _failure(err)}, {}
-            continue
-        profiles = {}
-        if s.profile_top and row["round_trip_of_copy"] < ROUND_TRIP_TARGETS.get(name, 0.0):
-            profiles[f"the {name} round trip"] = profile_of(*call, s.profile_top)
-        say(f"{name}: encode {row['encode_gbs']:.1f} GB/s, decode {row['decode_gbs']:.1f} "
-            f"GB/s, round trip {row['round_trip_gbs']:.1f} GB/s")
-        yield row, profiles
-
-
-def lm_names() -> list[str]:
-    """``none``, ``local`` (no all-reduce: the step's compute alone) and
-    every example name that runs one compressor through
-    `transforms.compressed_all_reduce` (``common.config.COMPRESSOR_NAMES``
-    but `OTHER_TRANSFORMS`), the targets' ``qsgd-4`` and ``onebit`` next;
-    needs the examples on ``sys.path`` (`_examples`)."""
-    from common.config import COMPRESSOR_NAMES, COMPUTE_ONLY
-
-    names = [n for n in COMPRESSOR_NAMES if n not in OTHER_TRANSFORMS]
-    first = ["none", COMPUTE_ONLY, *(n for n in ("qsgd-4", "onebit") if n in names)]
-    return first + [n for n in names if n not in first]
-
-
-def _examples() -> pathlib.Path:
-    """The checkout's ``examples/`` folder, put on ``sys.path``
-    (FileNotFoundError without one)."""
-    from qcollect.bench.training import examples_dir
-
-    folder = examples_dir()
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
-    return folder
-
-
-def lm_steps(s: Setting, names: Sequence[str], clock: Clock, say: Say
-             ) -> tuple[dict[str, Call], dict[str, str], int]:
-    """The language model's compiled step on a one-device mesh per
-    all-reduce of ``names`` (``none`` first), what was not compiled and
-    why (a failure, the time budget), and the model's parameter count."""
-    _examples()
-    import optax
-    from common.train import DataParallel, make_optimizer
-    from lm.config import Config
-    from lm.model import build
-
-    cfg = Config(width=s.width, depth=s.depth, heads=s.heads, context=s.context,
-                 batch_size=s.batch, compressors=("none",))
-    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
-    dp = DataParallel(build(cfg), mesh)
-    optimizer = optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
-                            make_optimizer(cfg, weight_decay=cfg.weight_decay))
-    windows = np.random.default_rng(0).integers(0, 256, (s.batch, s.context + 1), np.int32)
-    x, y = dp.batch(windows[:, :-1], windows[:, 1:])
-    params = dp.place(dp.params)
-    steps: dict[str, Call] = {}
-    missing: dict[str, str] = {}
-    for name in ["none", *(n for n in names if n != "none")]:
-        if clock.out() and name != "none":
-            missing[name] = clock.why()
-            continue
-        try:
-            comm = dp.communication(name, cfg, jax.random.key(cfg.seed))
-            tx = dp.transformation(comm, optimizer)
-            state = dp.init(tx, params)
-            step = dp.step(tx, state, replicated=comm.replicated)
-            jax.block_until_ready(step(params, state, x, y))
-        except Exception as err:  # noqa: BLE001 - the other rows still measure
-            missing[name] = f"failed: {_failure(err)}"
-            continue
-        steps[name] = (step, (params, state, x, y))
-        say(f"compiled the step with {name}")
-    return steps, missing, sum(leaf.size for leaf in jax.tree.leaves(dp.params))
-
-
-def lm_rows(s: Setting, names: Sequence[str], clock: Clock, say: Say) -> dict[str, Any]:
-    """Median step ms of the language model per all-reduce of ``names``,
-    its ratio to ``none``'s, what was not measured and why, and the
-    profiles of ``none`` and of the two slowest steps over the target
-    (`_device_report.STEP_OVERHEAD_TARGET`)."""
-    steps, missing, count = lm_steps(s, names, clock, say)
-    if "none" not in steps:
-        raise RuntimeError(f"the step with none did not compile: {missing.get('none')}")
-    seconds = _medians(steps, s.repeats, s.calls)
-    say("timed the steps: " + ", ".join(f"{n} {1e3 * t:.1f} ms" for n, t in seconds.items()))
-    rows: list[dict[str, Any]] = [
-        {"all_reduce": name, "parameters": count, "step_ms": 1e3 * t,
-         "overhead_vs_none": t / seconds["none"]} for name, t in seconds.items()]
-    over = sorted((name for name, t in seconds.items()
-                   if t / seconds["none"] > STEP_OVERHEAD_TARGET),
-                  key=lambda name: -seconds[name])[:2]
-    profiles = {}
-    if s.profile_top and over:
-        for name in ["none", *over]:
-            profiles[f"the step with {name}"] = profile_of(*steps[name], s.profile_top)
-    return {"rows": rows, "not_measured": missing, "profiles": profiles}
-
-
 def network_rows(mib: float, repeats: int, calls: int, methods: Sequence[str] | None = None
                  ) -> list[dict[str, Any]]:
     """The network benchmark's methods (``psum`` first) over every device of
     this process: median ms, speedup over ``psum``, wire bytes per device."""
-    from qcollect.bench import _network
+    from qcollect.bench._network import buffer_values, buffers, mapped, meshes, reducer
     from qcollect.bench.network import METHODS
 
-    mesh = _network.meshes()[0]
+    mesh = meshes()[0]
     n = mesh.size
-    size = _network._values(mib)
-    x = _network._buffers(size, mesh)
+    size = buffer_values(mib)
+    x = buffers(size, mesh)
     chosen = ["psum", *(m for m in (methods or METHODS) if m != "psum")]
-    timed: dict[str, Call] = {
-        m: (_network._mapped(_network._reducer(m, size, n), mesh), (x,)) for m in chosen}
-    seconds = _medians(timed, repeats, calls)
+    timed: dict[str, Call] = {m: (mapped(reducer(m, size, n), mesh), (x,)) for m in chosen}
+    seconds = medians(timed, repeats, calls)
     return [{"method": m, "devices": n, "mib": mib, "median_ms": 1e3 * seconds[m],
              "speedup_vs_psum": seconds["psum"] / seconds[m],
              "wire_bytes": qc.wire_bytes(fn, *args)} for m, (fn, args) in timed.items()]
 
 
 def _lm_part(s: Setting, names: Sequence[str], clock: Clock, say: Say) -> dict[str, Any]:
-    """The language model's rows, or why they were skipped."""
-    setting = {"width": s.width, "depth": s.depth, "heads": s.heads, "context": s.context,
-               "batch": s.batch}
-    try:
-        _examples()
-    except FileNotFoundError as err:
-        return {"setting": setting, "rows": [], "skipped": str(err)}
-    if clock.out():
-        return {"setting": setting, "rows": [], "skipped": clock.why()}
-    return {"setting": setting, **lm_rows(s, names, clock, say)}
+    """The language model's rows, or why they were skipped
+    (`qcollect.bench._device_lm`: an example program, run as a subprocess)."""
+    return lm_part({k: getattr(s, k) for k in MODEL}, names, clock, say, repeats=s.repeats,
+                   calls=s.calls, profile_top=s.profile_top)
 
 
 def _network_part(mib: float, s: Setting, clock: Clock) -> dict[str, Any]:
@@ -419,7 +175,7 @@ def _guarded(result: dict[str, Any], part: str, fn: Callable[[], Any]) -> None:
     try:
         result[part] = fn()
     except Exception as err:  # noqa: BLE001 - the other parts are still worth writing
-        result[part] = {"rows": [], "skipped": f"failed: {_failure(err)}"}
+        result[part] = {"rows": [], "skipped": f"failed: {failure(err)}"}
 
 
 def run(s: Setting, names: Sequence[str], lm: Sequence[str], mib: float, say: Say,
@@ -442,7 +198,8 @@ def run(s: Setting, names: Sequence[str], lm: Sequence[str], mib: float, say: Sa
               "bandwidth_gbs": {k: v / 1e9 for k, v in rates.items()},
               "bandwidth_bytes": counted, "copy_gbs": rates["copy"] / 1e9})
     r.update(compressors=[], profiles={})
-    for row, profiles in codec_rows(x, names, s, rates["copy"], clock, say):
+    for row, profiles in codec_rows(x, names, rates["copy"], clock, say, repeats=s.repeats,
+                                    calls=s.calls, profile_top=s.profile_top):
         r["compressors"].append(row)
         r["profiles"].update(profiles)
         r["seconds"] = clock.elapsed()
@@ -461,8 +218,10 @@ def run(s: Setting, names: Sequence[str], lm: Sequence[str], mib: float, say: Sa
 
 def _default_out() -> pathlib.Path:
     """``examples/results/device`` of the checkout (of the working directory without one)."""
+    from qcollect.bench.training import examples_dir
+
     try:
-        return _examples() / "results" / "device"
+        return examples_dir() / "results" / "device"
     except FileNotFoundError:
         return pathlib.Path("examples") / "results" / "device"
 
@@ -534,11 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     if not names:
         parser.error(f"--only matched none of: {', '.join(COMPRESSORS)}")
     names.sort(key=lambda n: n not in ROUND_TRIP_TARGETS)  # the targets' first
-    try:
-        _examples()
-        known = lm_names()
-    except FileNotFoundError:  # no checkout: the model's part is skipped
-        known = []
+    known = lm_names()  # none without a checkout: the model's part is skipped
     lm = ([v.strip() for v in args.lm.split(",") if v.strip()] if args.lm
           else list(QUICK_LM) if args.quick else known)
     if known and not set(lm) <= set(known):

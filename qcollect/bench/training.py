@@ -18,7 +18,9 @@ gate".
 It is a command of a repository checkout, not of the installed package: the
 gate trains Flax models with optax, which `qcollect` itself never imports,
 so its code lives in ``examples/training_gate.py`` of the checkout, and this
-module only finds that folder and runs it. The folder is
+module only finds that folder and runs the program as a subprocess
+(``sys.executable examples/training_gate.py ARGS``; nothing of the examples
+is imported here). The folder is
 
 1. the one ``$QCOLLECT_EXAMPLES`` names, when it is set (a package installed
    without ``-e``, used beside a checkout); else
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import subprocess
 import sys
 
 GATE = "training_gate.py"
@@ -79,7 +82,8 @@ def examples_dir() -> pathlib.Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs ``examples/training_gate.py`` with ``argv``; its exit status (2: no checkout).
+    """Runs ``examples/training_gate.py`` with ``argv`` as a subprocess; its
+    exit status (2: no checkout).
 
     With ``-h`` or ``--help`` it first says that this is a checkout command,
     then the gate prints its options.
@@ -92,12 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as err:
         print(f"python -m qcollect.bench training: {err}", file=sys.stderr)
         return 2
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
-    import training_gate  # sets the simulated CPU devices before JAX starts
-
-    status: int = training_gate.main(argv)
-    return status
+    # Its own process: the gate sets the simulated CPU devices before JAX starts.
+    return subprocess.run([sys.executable, str(folder / GATE), *args], check=False).returncode
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qcollect._config import check_choice, check_int
+from qcollect.checks import check_choice, check_int
 from qcollect.coding._packing import pack_bits, unpack_bits
 from qcollect.coding._sparse import EMPTY_INDEX, compact_words, from_words, to_words
 

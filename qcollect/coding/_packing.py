@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qcollect._config import check_choice
+from qcollect.checks import check_choice
 
 __all__ = ["pack_bits", "unpack_bits", "packed_words"]
 

@@ -103,9 +103,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from qcollect._config import check_choice, check_int
 from qcollect._payload import Compressor
-from qcollect.checks import check_floating_leaves
+from qcollect.checks import check_choice, check_floating_leaves, check_int
 from qcollect.collectives._algorithms import (
     EXCHANGES,
     Chunks,

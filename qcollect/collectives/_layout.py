@@ -50,8 +50,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qcollect._config import check_int
 from qcollect._payload import GROUPINGS, Compressor, Grouping
+from qcollect.checks import check_int
 from qcollect.collectives._segments import ColumnSegment, RowSegment, Segment
 from qcollect.compressors._groups import matrix_view
 

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from qcollect import _cluster
 from qcollect.collectives._blocks import BlockSpecs, over_blocks
 from qcollect.collectives._layout import BUCKET_BYTES
 from qcollect.collectives._result import AxisName
@@ -210,7 +211,9 @@ def fused_psum(x: Any, axis_name: AxisName, *, mean: bool = False,
 
 
 def _fused_psum(x: Any, *, axis_name: AxisName, mean: bool, bucket_bytes: int | None) -> Any:
-    """`fused_psum` on whole leaves."""
+    """`fused_psum` on whole leaves (the first one traced registers the
+    exit-time check of a cluster job never joined, `_cluster.watch_unjoined`)."""
+    _cluster.watch_unjoined()
     reduce = lax.pmean if mean else lax.psum
     leaves, treedef = jax.tree.flatten(x)
     leaves = [jnp.asarray(leaf) for leaf in leaves]

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from qcollect import _backend
+from qcollect import _backend, _cluster
 from qcollect.collectives._buckets import (
     BATCH_BUCKETS,
     BatchBuckets,
@@ -103,7 +103,14 @@ def permute(x: Any, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> Any
 
 def _in_words(move: Callable[[jax.Array], jax.Array]) -> Callable[[jax.Array], jax.Array]:
     """``move`` (a collective of one array) that sends 16-bit floats as their
-    bit-identical uint16 words (`_backend.WIDE_16_BIT`)."""
+    bit-identical uint16 words (`_backend.WIDE_16_BIT`).
+
+    Every exchange of the ring and compressed collectives is built here, so
+    this is where the first one traced registers the exit-time check of a
+    cluster job never joined (`_cluster.watch_unjoined`).
+    """
+    _cluster.watch_unjoined()
+
     def moved(a: jax.Array) -> jax.Array:
         word = _backend.narrow_word(a.dtype)
         if word is None:

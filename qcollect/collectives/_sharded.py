@@ -56,9 +56,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from qcollect._config import check_choice, per_leaf
+from qcollect._config import per_leaf
 from qcollect._payload import Compressor
-from qcollect.checks import check_floating_leaves
+from qcollect.checks import check_choice, check_floating_leaves
 from qcollect.collectives._algorithms import (
     EXCHANGES,
     Exchange,

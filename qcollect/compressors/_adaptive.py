@@ -48,8 +48,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from qcollect._config import check_choice, check_float, check_floating_input, check_int, require_key
+from qcollect._config import check_floating_input, require_key
 from qcollect._payload import Compressor, Payload, check_format
+from qcollect.checks import check_choice, check_float, check_int
 from qcollect.coding._golomb import Coding, check_coding, decode_entries, encode_entries
 from qcollect.coding._packing import pack_bits
 from qcollect.coding._sparse import (

@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qcollect._config import check_choice, check_floating_input
+from qcollect._config import check_floating_input
 from qcollect._payload import Compressor, Payload, check_format
+from qcollect.checks import check_choice
 
 __all__ = ["CastCompressor", "identity", "cast"]
 

@@ -71,8 +71,9 @@ from typing import Any, ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from qcollect._config import check_float, check_int, require_key
+from qcollect._config import require_key
 from qcollect._payload import Compressor, Payload, check_format
+from qcollect.checks import check_float, check_int
 from qcollect.coding import _huffman as hf
 from qcollect.coding._packing import pack_bits, packed_words, unpack_bits
 from qcollect.compressors._entropy_stats import (

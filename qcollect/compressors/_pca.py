@@ -54,8 +54,9 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from qcollect._config import check_floating_input, check_int
+from qcollect._config import check_floating_input
 from qcollect._payload import Compressor, Payload, check_format
+from qcollect.checks import check_int
 from qcollect.compressors._scaling import (
     binary_exponent,
     bit_length,

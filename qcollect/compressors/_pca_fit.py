@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qcollect._config import check_choice, check_floating_input, check_int
+from qcollect._config import check_floating_input
+from qcollect.checks import check_choice, check_int
 from qcollect.compressors._scaling import (
     OVERFLOW_EXPONENT,
     bit_length,

@@ -23,7 +23,8 @@ from typing import Any, Literal, overload
 import jax
 import jax.numpy as jnp
 
-from qcollect._config import check_float, check_floating_input
+from qcollect._config import check_floating_input
+from qcollect.checks import check_float
 from qcollect.compressors._scaling import (
     OVERFLOW_EXPONENT,
     binary_exponent,

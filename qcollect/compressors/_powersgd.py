@@ -64,8 +64,9 @@ from typing import Any, ClassVar, Literal
 import jax
 import jax.numpy as jnp
 
-from qcollect._config import check_choice, check_float, check_floating_input, check_int
+from qcollect._config import check_floating_input
 from qcollect._payload import Compressor, Payload, check_format
+from qcollect.checks import check_choice, check_float, check_int
 from qcollect.compressors._groups import matrix_view
 from qcollect.compressors._power_iteration import (
     gram_schmidt,

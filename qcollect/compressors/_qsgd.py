@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 
 from qcollect._backend import propagate_nonfinite
-from qcollect._config import check_choice, check_floating_input, check_int, require_key
+from qcollect._config import check_floating_input, require_key
 from qcollect._payload import Compressor, Payload, check_format
+from qcollect.checks import check_choice, check_int
 from qcollect.coding._packing import pack_bits, unpack_bits
 from qcollect.compressors._groups import (
     Groups,

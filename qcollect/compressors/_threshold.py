@@ -15,8 +15,9 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from qcollect._config import check_float, check_floating_input
+from qcollect._config import check_floating_input
 from qcollect._payload import Compressor, Payload, check_format
+from qcollect.checks import check_float
 from qcollect.coding._golomb import Coding, check_coding, decode_entries, encode_entries
 from qcollect.coding._sparse import (
     check_capacity,

@@ -44,7 +44,6 @@ collective with it.
 
 from __future__ import annotations
 
-import atexit
 import math
 import os
 import signal
@@ -52,7 +51,8 @@ import sys
 import threading
 from typing import Any
 
-from qcollect.launch import _cluster, _env
+from qcollect import _cluster
+from qcollect.launch import _env
 from qcollect.launch._args import parse_delay, parse_rate
 
 __all__ = ["Job", "initialize", "is_launched", "job", "main", "parse_delay", "parse_rate",
@@ -83,7 +83,7 @@ def job(cluster: str | None = None) -> _cluster.Job | None:
 
 def is_launched() -> bool:
     """True in a process started by ``python -m qcollect.launch``."""
-    return all(v in os.environ for v in (_env.COORDINATOR, _env.NUM_PROCESSES, _env.PROCESS_ID))
+    return _cluster.is_launched()
 
 
 def _set_xla_flags(count: int | None, collective_timeout: float) -> None:
@@ -219,35 +219,23 @@ def _say_single_once(cluster: str | None) -> None:
           f"({_cluster.CLUSTER}=none says so without this line)", file=sys.stderr, flush=True)
 
 
-_watching = threading.Event()
-
-
 def warn_unjoined_at_exit() -> None:
     """Registers, once, an exit handler that prints one line on stderr when
     this process used JAX inside a cluster job of several processes (``srun``,
     ``mpirun``, ...) without joining it: a script that forgot `initialize`
     runs as N independent single-process jobs and would otherwise exit 0
-    without a word. ``import qcollect`` registers it; the local launcher
-    detects the same mistake itself (its workers' reports).
+    without a word.
+
+    qcollect's collectives register it themselves the first time one is
+    traced (`qcollect._cluster.watch_unjoined`; ``import qcollect`` registers
+    nothing); a script that uses only JAX's own collectives can call this.
+    The local launcher detects the same mistake itself (its workers' reports).
+
+    Example:
+      >>> import qcollect.launch
+      >>> qcollect.launch.warn_unjoined_at_exit()   # once; later calls do nothing
     """
-    if not _watching.is_set():
-        _watching.set()
-        atexit.register(_warn_unjoined)
-
-
-def _warn_unjoined() -> None:
-    jax = sys.modules.get("jax")
-    if jax is None or is_launched():
-        return
-    try:
-        found = _cluster.detect()
-    except ValueError:
-        return
-    if found is None or found.num_processes == 1 or jax.distributed.is_initialized():
-        return
-    print(f"qcollect.launch: this process is part of a {found.describe()} but never joined "
-          "it, so it ran alone: call qcollect.launch.initialize() before any other JAX use",
-          file=sys.stderr, flush=True)
+    _cluster.watch_unjoined()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-COORDINATOR = "QCOLLECT_COORDINATOR_ADDRESS"
-NUM_PROCESSES = "QCOLLECT_NUM_PROCESSES"
-PROCESS_ID = "QCOLLECT_PROCESS_ID"
+# The three that mark a launched process are the core's, which detects the job
+# (`qcollect._cluster.is_launched`).
+from qcollect._cluster import COORDINATOR, NUM_PROCESSES, PROCESS_ID
+
+__all__ = ["COORDINATOR", "DEVICES_PER_PROCESS", "JAX_COORDINATOR", "JAX_NUM_PROCESSES",
+           "JAX_PROCESS_ID", "LAUNCHER_PID", "NUM_PROCESSES", "PROCESS_ID", "STALL_TIMEOUT",
+           "STATUS_FD", "worker_environment"]
+
 DEVICES_PER_PROCESS = "QCOLLECT_DEVICES_PER_PROCESS"
 # Seconds a collective may wait for a peer (0: no limit set by the launcher);
 # `qcollect.launch.initialize` turns it into XLA's CPU collective timeout.

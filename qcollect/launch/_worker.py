@@ -403,6 +403,9 @@ def run(argv: list[str]) -> None:
     """Runs ``argv[0]`` with arguments ``argv[1:]``; exits at once if it fails."""
     script = argv[0]
     sys.argv = list(argv)
+    # The script's folder first on the import path, as `python script.py` puts
+    # it: the interpreter put this file's folder there, and runpy.run_path
+    # adds a path only when it is a folder or a zip file.
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     try:
         runpy.run_path(script, run_name="__main__")

@@ -1,7 +1,7 @@
 """Phase marks: the names a phased program gives the branches it switches between.
 
-A transformation that switches phases on a step count (PowerSGD's warm-up
-and compressed steps, GradiVeQ's warm-up, sampling and compressed steps)
+A transformation that switches phases on a step count (PowerSGD's exact
+and compressed steps, GradiVeQ's lead-in, sampling and compressed steps)
 runs each phase's collectives inside a ``lax.cond`` (or ``lax.switch``)
 branch. The compiled program holds every branch, so reading it says what
 each branch sends but not which phase a branch is (`qcollect.wire_bytes`
@@ -12,7 +12,7 @@ travels into the compiled HLO as each instruction's ``op_name`` metadata.
 compiled step, a user's own jitted step included: no second program, no
 state set to a chosen step.
 
-A mark may name several phases that run the same code (GradiVeQ's warm-up
+A mark may name several phases that run the same code (GradiVeQ's lead-in
 and sampling steps). Marks nest; an instruction belongs to its innermost
 mark, so a transformation inside another's branch names its own phases.
 """
@@ -26,7 +26,7 @@ from typing import Any
 
 import jax
 
-from qcollect.measure._hlo import Computations
+from qcollect.measure._hlo import Computations, control_callees, opcode
 
 __all__ = ["in_phase", "phase", "phase_names", "program_phases"]
 
@@ -60,7 +60,7 @@ def phase(*names: str) -> AbstractContextManager[Any]:
       >>> import jax, jax.numpy as jnp, qcollect as qc
       >>> def step(x, count):
       ...     def warm_up(x):
-      ...         with qc.phase("warm-up"):
+      ...         with qc.phase("exact"):
       ...             return x + 1.0
       ...     def compressed(x):
       ...         with qc.phase("compressed"):
@@ -93,11 +93,8 @@ def _runs(rest: str, line: str) -> list[str]:
     control flow: loop body and condition, conditional branches, calls; not
     fused computations or reducers, which the compiler may share between
     branches."""
-    names = re.findall(r"(?:body|condition|true_computation|false_computation)=%([\w.\-]+)",
-                       line)
-    for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
-        names += re.findall(r"%([\w.\-]+)", group)
-    if rest.split("(", 1)[0].strip() in ("call", "async-start"):
+    names = control_callees(rest, line)
+    if opcode(rest) == "async-start":
         names += re.findall(r"calls=%([\w.\-]+)", line)
     return names
 

@@ -28,24 +28,35 @@ tuple, bitcast, ...
 anything else              operands / result
 =========================  ============================================
 
-Loops count once per iteration (XLA's ``known_trip_count``, 1 when it is
-unknown); of a conditional's branches the one with the least traffic counts
-(``branches="max"``: the most), so that the total is a lower bound of what a
-call moves, as a floor should be. Caches may still make a kernel faster than
-its bytes over the bandwidth: the floor holds for data larger than the
-caches.
+Loops count once per iteration (XLA's ``known_trip_count``; a loop whose
+trip count XLA does not know, a data-dependent ``lax.while_loop``, raises
+ValueError naming it, as `qcollect.wire_bytes` does: both read the program
+through one walk, `qcollect.measure._hlo.walk`); of a conditional's branches
+the one with the least traffic counts (``branches="max"``: the most), so
+that the total is a lower bound of what a call moves, as a floor should be.
+Caches may still make a kernel faster than its bytes over the bandwidth:
+the floor holds for data larger than the caches.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable
 from typing import Any
 
-import jax
-
-from qcollect.measure._hlo import Branches, Instruction, attribute, operands, parse, shape_bytes
+from qcollect.measure._hlo import (
+    Branches,
+    Instruction,
+    Site,
+    attribute,
+    check_branches,
+    compiled_text,
+    opcode,
+    operands,
+    parse,
+    shape_bytes,
+    walk,
+)
 
 __all__ = ["Kernel", "memory_bytes", "memory_report"]
 
@@ -86,10 +97,6 @@ class Kernel:
         return (self.read + self.written) * self.multiplicity
 
 
-def _opcode(rest: str) -> str:
-    return rest.split("(", 1)[0].strip()
-
-
 def _fused_io(fused: list[Instruction], shapes: dict[str, str], operand_bytes: list[int],
               result_bytes: int) -> tuple[int, int]:
     """``(read, written)`` of a fusion whose computation is ``fused``."""
@@ -97,7 +104,7 @@ def _fused_io(fused: list[Instruction], shapes: dict[str, str], operand_bytes: l
     users: dict[str, list[tuple[str, str]]] = {}
     root = fused[-1] if fused else None
     for name, _shape, rest, line in fused:
-        op = _opcode(rest)
+        op = opcode(rest)
         if op == "parameter":
             params[name] = int(attribute(r"parameter\((\d+)\)", rest))
         for o in operands(rest) if "(" in rest else ():
@@ -108,12 +115,12 @@ def _fused_io(fused: list[Instruction], shapes: dict[str, str], operand_bytes: l
     written = result_bytes
     if root is not None:
         roots = [root]
-        if _opcode(root[2]) == "tuple":
+        if opcode(root[2]) == "tuple":
             by_name = {f[0]: f for f in fused}
             roots = [by_name[o] for o in operands(root[2]) if o in by_name]
         updated = 0
         for r in roots:
-            if _opcode(r[2]) == "dynamic-update-slice":
+            if opcode(r[2]) == "dynamic-update-slice":
                 target, update = operands(r[2])[:2]
                 if target in params:
                     in_place.add(target)
@@ -145,65 +152,36 @@ def _fused_io(fused: list[Instruction], shapes: dict[str, str], operand_bytes: l
 
 
 def report_from_hlo(hlo: str, branches: Branches = "min") -> list[Kernel]:
-    """The memory-touching kernels of the optimised ``hlo`` (see `memory_report`)."""
-    comps, shapes, entry, _ = parse(hlo)
-    fewer = branches == "min"
-    kernels: list[Kernel] = []
+    """The memory-touching kernels of the optimised ``hlo`` (see `memory_report`),
+    read by the walk that the wire bytes share (`qcollect.measure._hlo.walk`)."""
+    program = parse(hlo)
 
-    def visit(comp: str, multiplicity: int, seen: tuple[str, ...]) -> None:
-        if comp in seen or comp not in comps:
-            return
-        for name, shape, rest, line in comps[comp]:
-            op = _opcode(rest)
-            if op in _FREE:
-                continue
-            if op == "while":
-                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-                trips = int(trip.group(1)) if trip else 1
-                visit(attribute(r"body=%([\w.\-]+)", line), multiplicity * trips,
-                      seen + (comp,))
-                visit(attribute(r"condition=%([\w.\-]+)", line), multiplicity * (trips + 1),
-                      seen + (comp,))
-                continue
-            if op == "conditional":
-                called = re.findall(r"%([\w.\-]+)", attribute(
-                    r"branch_computations=\{([^}]*)\}|(true_computation=%[\w.\-]+, "
-                    r"false_computation=%[\w.\-]+)", line))
-                best: list[Kernel] | None = None
-                for b in called:
-                    before = len(kernels)
-                    visit(b, multiplicity, seen + (comp,))
-                    taken = kernels[before:]
-                    del kernels[before:]
-                    traffic = sum(k.traffic for k in taken)
-                    if best is None or (traffic < sum(k.traffic for k in best)) == fewer:
-                        best = taken
-                kernels.extend(best or [])
-                continue
-            if op == "call":
-                visit(attribute(r"to_apply=%([\w.\-]+)", line), multiplicity, seen + (comp,))
-                continue
-            sizes = [shape_bytes(shapes.get(o, "")) for o in operands(rest)]
-            result = shape_bytes(shape)
-            if op == "fusion":
-                read, written = _fused_io(comps.get(attribute(r"calls=%([\w.\-]+)", line), []),
-                                          shapes, sizes, result)
-            elif op == "dynamic-update-slice":
-                read = written = sizes[1]
-            elif op in _SLICES:
-                read = written = result
-            elif op.endswith("-start"):
-                read, written = sum(sizes), 0
-            elif op.endswith("-done"):
-                read, written = 0, result
-            else:
-                read, written = sum(sizes), result
-            if read or written:
-                kernels.append(Kernel(name, op, comp, read, written, multiplicity, shape))
+    def count(site: Site) -> Kernel | None:
+        op = site.op
+        if op in _FREE:
+            return None
+        sizes = [shape_bytes(program.shapes.get(o, "")) for o in operands(site.rest)]
+        result = shape_bytes(site.shape)
+        if op == "fusion":
+            fused = program.computations.get(attribute(r"calls=%([\w.\-]+)", site.line), [])
+            read, written = _fused_io(fused, program.shapes, sizes, result)
+        elif op == "dynamic-update-slice":
+            read = written = sizes[1]
+        elif op in _SLICES:
+            read = written = result
+        elif op.endswith("-start"):
+            read, written = sum(sizes), 0
+        elif op.endswith("-done"):
+            read, written = 0, result
+        else:
+            read, written = sum(sizes), result
+        if not (read or written):
+            return None
+        return Kernel(site.name, op, site.computation, read, written, site.multiplicity,
+                      site.shape)
 
-    if entry is not None:
-        visit(entry, 1, ())
-    return kernels
+    return walk(program, count, lambda kernel: kernel.traffic, measures="memory traffic",
+                branches=branches)
 
 
 def memory_report(fn: Callable[..., Any], *args: Any, branches: Branches = "min",
@@ -226,7 +204,9 @@ def memory_report(fn: Callable[..., Any], *args: Any, branches: Branches = "min"
       One `Kernel` per memory-touching instruction, in program order.
 
     Raises:
-      ValueError: ``branches`` is neither ``"min"`` nor ``"max"``.
+      ValueError: ``branches`` is neither ``"min"`` nor ``"max"``; or a loop
+        that touches memory has no known trip count (a data-dependent
+        ``lax.while_loop``: the message names it).
 
     Example:
       >>> import jax.numpy as jnp, qcollect as qc
@@ -234,10 +214,8 @@ def memory_report(fn: Callable[..., Any], *args: Any, branches: Branches = "min"
       >>> [(k.op, k.read, k.written) for k in qc.memory_report(lambda v: 2 * v + 1, x)]
       [('fusion', 4096, 4096)]
     """
-    lower = fn.lower if isinstance(fn, jax.stages.Wrapped) else jax.jit(fn).lower
-    if branches not in ("min", "max"):
-        raise ValueError(f"branches must be 'min' or 'max', got {branches!r}")
-    return report_from_hlo(lower(*args, **kwargs).compile().as_text(), branches)
+    check_branches(branches)
+    return report_from_hlo(compiled_text(fn, *args, **kwargs), branches)
 
 
 def memory_bytes(fn: Callable[..., Any], *args: Any, branches: Branches = "min",

@@ -42,14 +42,14 @@ import numpy as np
 
 from qcollect.measure._hlo import (
     Branches,
-    Computations,
-    attribute,
-    callees,
+    Eligible,
+    Site,
     check_branches,
     compiled_text,
     operands,
     parse,
     shape_bytes,
+    walk,
 )
 from qcollect.measure._phases import in_phase, program_phases
 
@@ -163,89 +163,42 @@ def wire_report(fn: Callable[..., Any], *args: Any, branches: Branches = "max",
     return report_from_hlo(compiled_text(fn, *args, **kwargs), branches)
 
 
-def _holds_collective(comp: str, comps: Computations, memo: dict[str, bool]) -> bool:
-    """True when ``comp`` or any computation it runs, at any depth, has a collective."""
-    if comp not in memo:
-        memo[comp] = False  # a cycle adds nothing
-        for _, _shape, rest, line in comps.get(comp, ()):
-            base = rest.split("(", 1)[0].strip().removesuffix("-start").removesuffix("-done")
-            if base in _COLLECTIVES or any(_holds_collective(c, comps, memo)
-                                           for c in callees(line)):
-                memo[comp] = True
-                break
-    return memo[comp]
-
-
-def report_from_hlo(
-        hlo: str, branches: Branches = "max",
-        eligible: Callable[[list[str], Computations], list[str]] | None = None,
-) -> list[WireOp]:
-    """The collectives of the optimised ``hlo`` (see `wire_report`).
+def report_from_hlo(hlo: str, branches: Branches = "max",
+                    eligible: Eligible | None = None) -> list[WireOp]:
+    """The collectives of the optimised ``hlo`` (see `wire_report`), read by
+    the walk that the memory traffic shares (`qcollect.measure._hlo.walk`).
 
     ``eligible(branch_names, comps) -> names``: which branches of a
     conditional may run (the phase marks of `qcollect.wire_bytes_by_phase`;
     default all); ``branches`` picks among them.
     """
-    pick = max if branches == "max" else min
-    comps, shapes, entry, default_group = parse(hlo)
-    ops: list[WireOp] = []
-    memo: dict[str, bool] = {}
+    program = parse(hlo)
 
-    def holds(comp: str) -> bool:
-        return _holds_collective(comp, comps, memo)
+    def count(site: Site) -> WireOp | None:
+        base = site.op.removesuffix("-start")
+        if base not in _COLLECTIVES or site.op.endswith("-done"):
+            return None
+        names = operands(site.rest)
+        operand = sum(shape_bytes(program.shapes.get(o, "")) for o in names)
+        n = _group_size(site.line, program.default_group)
+        factor = {
+            "collective-permute": _permute_factor(site.line),
+            "all-gather": n - 1,
+            "all-reduce": 2 * (n - 1) / n,
+            "reduce-scatter": (n - 1) / n,
+            "all-to-all": (n - 1) / n,
+        }[base]
+        return WireOp(base, site.computation, operand, n, operand * factor, site.multiplicity,
+                      _device_groups(site.line), len(names))
 
-    def visit(comp: str, multiplicity: int, seen: tuple[str, ...]) -> None:
-        if comp in seen or comp not in comps:
-            return
-        for name, _shape, rest, line in comps[comp]:
-            opname = rest.split("(", 1)[0].strip()
-            base = opname.removesuffix("-start")
-            if base in _COLLECTIVES and not opname.endswith("-done"):
-                names = operands(rest)
-                operand = sum(shape_bytes(shapes.get(o, "")) for o in names)
-                n = _group_size(line, default_group)
-                factor = {
-                    "collective-permute": _permute_factor(line),
-                    "all-gather": n - 1,
-                    "all-reduce": 2 * (n - 1) / n,
-                    "reduce-scatter": (n - 1) / n,
-                    "all-to-all": (n - 1) / n,
-                }[base]
-                ops.append(WireOp(base, comp, operand, n, operand * factor, multiplicity,
-                                  _device_groups(line), len(names)))
-            if opname == "while":
-                body = attribute(r"body=%([\w.\-]+)", line)
-                condition = attribute(r"condition=%([\w.\-]+)", line)
-                if not (holds(body) or holds(condition)):
-                    continue  # sends nothing, however many times it runs
-                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-                if trip is None:
-                    raise ValueError(f"while loop %{name} (body %{body}) runs a collective "
-                                     "but has no known trip count; its wire bytes would "
-                                     "depend on data")
-                trips = int(trip.group(1))
-                visit(body, multiplicity * trips, seen + (comp,))
-                visit(condition, multiplicity * (trips + 1), seen + (comp,))
-            elif opname == "conditional":
-                branches = re.findall(r"%([\w.\-]+)", attribute(
-                    r"branch_computations=\{([^}]*)\}|(true_computation=%[\w.\-]+, "
-                    r"false_computation=%[\w.\-]+)", line))
-                costs = []
-                for b in branches if eligible is None else eligible(branches, comps):
-                    before = len(ops)
-                    visit(b, multiplicity, seen + (comp,))
-                    costs.append((sum(o.bytes_per_call * o.multiplicity for o in ops[before:]),
-                                  ops[before:]))
-                    del ops[before:]
-                if costs:
-                    ops.extend(pick(costs, key=lambda c: c[0])[1])
-            elif not opname.endswith("-done"):
-                for callee in re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", line):
-                    visit(callee, multiplicity, seen + (comp,))
+    def enter(site: Site) -> list[str]:
+        """Fused and called computations, reducers: once per call of the instruction."""
+        if site.op.endswith("-done"):
+            return []
+        return re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", site.line)
 
-    if entry is not None:
-        visit(entry, 1, ())
-    return ops
+    return walk(program, count, lambda op: op.bytes_per_call * op.multiplicity,
+                measures="wire bytes", branches=branches, enter=enter, eligible=eligible)
 
 
 def wire_bytes(fn: Callable[..., Any], *args: Any, branches: Branches | None = None,
@@ -268,7 +221,7 @@ def wire_bytes(fn: Callable[..., Any], *args: Any, branches: Branches | None = N
       branches: which branch of a conditional counts, ``"max"`` (the most
         a call can send) or ``"min"`` (the least). Left out, ``"max"``,
         with a warning when the program switches between marked phases
-        that send different bytes (a warm-up, then compressed steps):
+        that send different bytes (exact steps, then compressed ones):
         `qcollect.wire_bytes_by_phase` says what each phase sends.
       **kwargs: its keyword arguments.
 
@@ -431,7 +384,7 @@ def wire_bytes_by_phase(fn: Callable[..., Any], *args: Any, branches: Branches =
     it (or holding a branch marked with it, deeper inside) and every
     collective outside the marked conditionals, which runs in every phase.
     Which steps fall in which phase is the transformation's schedule
-    (`transforms.powersgd_phases`, `transforms.gradiveq_phases`); what a
+    (``transforms.CompressAfter(K).spans``, `transforms.gradiveq_phases`); what a
     run sends is the sum over its steps.
 
     Args:
@@ -451,7 +404,7 @@ def wire_bytes_by_phase(fn: Callable[..., Any], *args: Any, branches: Branches =
       >>> mesh = jax.make_mesh((4,), ("d",), devices=jax.devices()[:4])
       >>> def step(g, count):
       ...     def warm_up(g):
-      ...         with qc.phase("warm-up"):
+      ...         with qc.phase("exact"):
       ...             return lax.psum(g, "d")
       ...     def compressed(g):   # a quarter of the values, repeated
       ...         with qc.phase("compressed"):
@@ -459,7 +412,7 @@ def wire_bytes_by_phase(fn: Callable[..., Any], *args: Any, branches: Branches =
       ...     return lax.cond(count < 10, warm_up, compressed, g)
       >>> f = jax.shard_map(step, mesh=mesh, in_specs=(P(), P()), out_specs=P())
       >>> qc.wire_bytes_by_phase(f, jnp.zeros(1024), 0)   # 2 (4-1)/4 of 1 and 4 KiB
-      {'compressed': 1536, 'warm-up': 6144}
+      {'compressed': 1536, 'exact': 6144}
     """
     check_branches(branches)
     return bytes_by_phase(compiled_text(fn, *args, **kwargs), branches)

@@ -27,18 +27,31 @@ clusters (``jax.distributed.initialize(cluster_detection_method=...)``,
 ``jax._src.clusters``); `detect` only decides whether and which, so that a
 job never silently runs as independent processes and a lone process never
 waits for peers.
+
+`watch_unjoined` registers, once, the exit-time line of a process that ran
+qcollect's collectives inside such a job without joining it. The
+collectives call it the first time one is traced (``_ring.py``'s word
+exchange, ``_messages.py``'s `fused_psum`), not ``import qcollect``, which
+has no side effects. This module reads the environment only: it imports the
+standard library, and JAX only once a process has imported it.
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
+import sys
+import threading
 from typing import Literal, NamedTuple, get_args
-
-from qcollect.launch import _env
 
 #: The environment variable that overrides detection (`detect`'s ``choice``).
 CLUSTER = "QCOLLECT_CLUSTER"
+#: The variables ``python -m qcollect.launch`` gives each process
+#: (`qcollect.launch`; the rest of them are ``launch/_env.py``'s).
+COORDINATOR = "QCOLLECT_COORDINATOR_ADDRESS"
+NUM_PROCESSES = "QCOLLECT_NUM_PROCESSES"
+PROCESS_ID = "QCOLLECT_PROCESS_ID"
 #: Who started a multi-process job (`Job.source`).
 Source = Literal["qcollect", "slurm", "ompi", "mpi4py", "k8s"]
 #: Every `Source`, in the order `detect` tries them.
@@ -67,6 +80,11 @@ class Job(NamedTuple):
         return f"{self.source} job, {where}"
 
 
+def is_launched() -> bool:
+    """True in a process started by ``python -m qcollect.launch``."""
+    return all(v in os.environ for v in (COORDINATOR, NUM_PROCESSES, PROCESS_ID))
+
+
 def _int(name: str) -> int | None:
     """The environment variable ``name`` as a non-negative int, or None."""
     value = os.environ.get(name, "")
@@ -77,8 +95,8 @@ def _present(source: Source) -> Job | None:
     """``source``'s job when its environment is there, else None."""
     env = os.environ
     if source == "qcollect":
-        if all(v in env for v in (_env.COORDINATOR, _env.NUM_PROCESSES, _env.PROCESS_ID)):
-            return Job(source, _int(_env.NUM_PROCESSES), _int(_env.PROCESS_ID))
+        if is_launched():
+            return Job(source, _int(NUM_PROCESSES), _int(PROCESS_ID))
     elif source == "slurm":
         step = env.get("SLURM_STEP_ID", "")
         keys = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
@@ -137,3 +155,42 @@ def detect(choice: str | None = None) -> Job | None:
         raise ValueError(f"cluster ({CLUSTER}) is {choice!r} but this process's environment "
                          f"has no {choice} job")
     return None
+
+
+_watching = threading.Event()
+
+
+def watch_unjoined() -> None:
+    """Registers, once per process, the exit handler `warn_unjoined`.
+
+    qcollect's collectives call it the first time one is traced, so that a
+    script that runs them inside a cluster job of several processes
+    (``srun``, ``mpirun``, ...) without joining it, and so runs as N
+    independent single-process jobs, says so in one line at exit instead of
+    exiting 0 without a word. A process that never runs a qcollect
+    collective registers nothing (``import qcollect`` has no side effects);
+    `qcollect.launch.warn_unjoined_at_exit` registers it by hand.
+    """
+    if not _watching.is_set():
+        _watching.set()
+        atexit.register(warn_unjoined)
+
+
+def warn_unjoined() -> None:
+    """One line on stderr when this process used JAX inside a cluster job of
+    several processes without joining it (``jax.distributed`` never
+    initialized); nothing in a process of ``python -m qcollect.launch``,
+    whose launcher detects the same mistake itself (its workers' reports).
+    """
+    jax = sys.modules.get("jax")
+    if jax is None or is_launched():
+        return
+    try:
+        found = detect()
+    except ValueError:
+        return
+    if found is None or found.num_processes == 1 or jax.distributed.is_initialized():
+        return
+    print(f"qcollect.launch: this process is part of a {found.describe()} but never joined "
+          "it, so it ran alone: call qcollect.launch.initialize() before any other JAX use",
+          file=sys.stderr, flush=True)
