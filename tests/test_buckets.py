@@ -19,7 +19,7 @@ import qcollect as qc
 from qcollect.bench.compile import kernel_counts
 from qcollect.collectives._layout import plan_segments
 from qcollect.collectives._offsets import runtime_offsets, runtime_slices
-from tests.helpers import per_device
+from tests.helpers import normal, per_device
 
 N = 2
 SMALL = [(40,), (3, 50), (130,), (7, 7), (64,), (2, 64)]
@@ -120,9 +120,7 @@ def test_the_batch_of_layer_sized_leaves_computes_what_the_traced_program_comput
     agree, and every leaf stays finite."""
     n = 4
     shapes = [(784, 2048), (2048,), (2048, 2048), (2048,), (2048, 2048), (2048,), (2048, 10)]
-    keys = jax.random.split(jax.random.key(5), len(shapes))
-    tree = [jax.random.normal(k, (n,) + s) * 10.0 ** (-(i % 3) - 2)
-            for i, (k, s) in enumerate(zip(keys, shapes, strict=True))]
+    tree = [normal((5, i), (n,) + s) * 10.0 ** (-(i % 3) - 2) for i, s in enumerate(shapes)]
     batch, traced = per_device(lambda t: [_reduced(t, compressor, {"batch_buckets": u})
                                           for u in ("always", "never")], n)(tree)
     for a, b in zip(jax.tree.leaves(batch), jax.tree.leaves(traced), strict=True):
@@ -133,7 +131,7 @@ def test_the_batch_of_layer_sized_leaves_computes_what_the_traced_program_comput
 def test_stochastic_buckets_draw_independent_streams_and_stay_unbiased():
     """QSGD through a batch: equal data in two buckets is coded with
     different random draws; averaged over keys the sum is unbiased."""
-    row = jax.random.normal(jax.random.key(3), (N, 64))
+    row = normal(3, (N, 64))
     tree = [row, row]  # two equal leaves: two equal large-leaf buckets in one batch
     c = qc.qsgd(bits=2, bucket_size=16)
     fn = per_device(lambda t, k: qc.compressed_all_reduce(t, "d", c, k, bucket_bytes=128,

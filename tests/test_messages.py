@@ -9,18 +9,17 @@ import pytest
 import qcollect as qc
 import transforms
 from qcollect.collectives._messages import pack, unpack
-from tests.helpers import per_device
+from tests.helpers import normal, per_device
 
 N = 4
 
 
 def _mixed(lead=()):
-    key = jax.random.key(0)
-    f32 = jax.random.normal(key, lead + (3, 5))
+    f32 = normal(0, lead + (3, 5))
     f32 = f32.at[..., 0, 0].set(jnp.nan).at[..., 0, 1].set(-0.0)
     return [
         f32,
-        jax.random.normal(key, lead + (7,)).astype(jnp.bfloat16),
+        normal(1, lead + (7,), jnp.bfloat16),
         jnp.full(lead + (2, 2), -1.5, jnp.float16),
         jnp.arange(np.prod(lead + (6,), dtype=int), dtype=jnp.int8).reshape(lead + (6,)),
         jnp.full(lead + (4,), 0xDEADBEEF, jnp.uint32),
@@ -65,11 +64,10 @@ def test_pack_rejects_different_leading_axes():
 
 
 def _tree(dtype=jnp.float32):
-    key = jax.random.key(1)
     return {
-        "embed": jax.random.normal(key, (N, 256, 16)).astype(dtype) * 30,
+        "embed": normal(2, (N, 256, 16), dtype) * 30,
         "scale": jnp.ones((N, 16), dtype) * jnp.arange(1, N + 1, dtype=dtype)[:, None],
-        "bias": jax.random.normal(key, (N, 5)).astype(dtype) * 1e-3,
+        "bias": normal(3, (N, 5), dtype) * 1e-3,
         "count": jnp.arange(N, dtype=jnp.int32)[:, None] * jnp.ones((N, 3), jnp.int32),
         "empty": jnp.zeros((N, 0), dtype),
         "scalar": jnp.arange(N, dtype=dtype),
