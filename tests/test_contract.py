@@ -72,17 +72,39 @@ def _poisoned(bad, where):
     return jnp.asarray(x)
 
 
+# 16-bit inputs of `CASES` with a NaN first (`test_round_trip_is_encode_then_decode`).
+POISONED_16 = [((3, 5, 7), jnp.bfloat16), ((97,), jnp.float16)]
+_FIRST_POISON = len(CASES) + len(ZERO_SHAPES)  # where `POISONS` start in `_inputs`
+
+
+def _inputs():
+    """The inputs of one compressor's program: `CASES`, zeros of `ZERO_SHAPES`,
+    `POISONS` in float32 and the `POISONED_16`, in that order."""
+    xs = [normal(1, shape, jnp.float32).astype(dtype) for shape, dtype in CASES]
+    zeros = [jnp.zeros(s) for s in ZERO_SHAPES]
+    poisoned = [_poisoned(bad, where) for bad, where in POISONS]
+    poisoned_16 = [normal(1, shape, jnp.float32).at[(0,) * len(shape)].set(jnp.nan).astype(d)
+                   for shape, d in POISONED_16]
+    return xs + zeros + poisoned + poisoned_16
+
+
+@functools.cache
+def _encoded_and_decoded(name):
+    """`_inputs` and ``(encode(x), decode(encode(x)))`` of each under
+    ``COMPRESSORS[name]`` and key 0: one compiled program per compressor, which
+    the shapes test checks and the round-trip test takes as its unfused path."""
+    xs = _inputs()
+    return xs, _round_trips(COMPRESSORS[name](), xs)
+
+
 @pytest.mark.parametrize("name", COMPRESSORS)
 def test_shapes_dtypes_zeros_and_non_finite_inputs(name):
     """In one program: every shape and dtype of `CASES` comes back with its shape and
     dtype, finite and within the input's range; all-zero inputs decode to zeros; a
     NaN or an Inf anywhere is never decoded to an all-finite answer."""
-    c = COMPRESSORS[name]()
-    xs = [normal(1, shape, jnp.float32).astype(dtype)
-          for shape, dtype in CASES]
-    zeros = [jnp.zeros(s) for s in ZERO_SHAPES]
-    poisoned = [_poisoned(bad, where) for bad, where in POISONS]
-    decoded = [x_hat for _, x_hat in _round_trips(c, xs + zeros + poisoned)]
+    inputs, results = _encoded_and_decoded(name)
+    xs = inputs[:len(CASES)]
+    decoded = [x_hat for _, x_hat in results]
     for (shape, dtype), x, x_hat in zip(CASES, xs, decoded[:len(xs)], strict=True):
         case = f"{shape} {jnp.dtype(dtype).name}"
         assert x_hat.shape == x.shape and x_hat.dtype == x.dtype, case
@@ -91,10 +113,10 @@ def test_shapes_dtypes_zeros_and_non_finite_inputs(name):
         if x.size:
             err = np.max(np.abs(np.asarray(x_hat, np.float32) - np.asarray(x, np.float32)))
             assert err <= 2 * np.max(np.abs(np.asarray(x, np.float32))) + 1e-6, case
-    for shape, x_hat in zip(ZERO_SHAPES, decoded[len(xs):len(xs) + len(zeros)], strict=True):
+    for shape, x_hat in zip(ZERO_SHAPES, decoded[len(xs):_FIRST_POISON], strict=True):
         np.testing.assert_array_equal(np.asarray(x_hat), 0.0, err_msg=f"zeros {shape}")
-    for poison, x_hat in zip(POISONS, decoded[len(xs) + len(zeros):], strict=True):
-        assert not np.all(np.isfinite(np.asarray(x_hat))), poison
+    for poison, x_hat in zip(POISONS + POISONED_16, decoded[_FIRST_POISON:], strict=True):
+        assert not np.all(np.isfinite(np.asarray(x_hat, np.float32))), poison
 
 
 @pytest.mark.parametrize("name", COMPRESSING)
@@ -107,10 +129,13 @@ def test_payload_is_smaller_than_input(name):
 
 @pytest.mark.parametrize("name", COMPRESSORS)
 def test_payload_bytes_is_static(name):
+    """The bytes of the traced payload (no compile) are those of the payloads
+    the compiled program of `_encoded_and_decoded` made, for every input."""
     c = COMPRESSORS[name]()
-    x = jnp.ones((333,))
-    shapes = jax.eval_shape(c.encode, x, jax.random.key(0))
-    assert qc.payload_bytes(shapes) == qc.payload_bytes(jax.jit(c.encode)(x, jax.random.key(0)))
+    inputs, results = _encoded_and_decoded(name)
+    for x, (payload, _) in zip(inputs, results, strict=True):
+        shapes = jax.eval_shape(c.encode, x, jax.random.key(0))
+        assert qc.payload_bytes(shapes) == qc.payload_bytes(payload), (x.shape, x.dtype)
 
 
 @pytest.mark.parametrize("name", COMPRESSORS)
@@ -207,30 +232,37 @@ def _bits(a):
     return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32) if a.size else a
 
 
-# Float32, the 16-bit dtypes and an empty array, finite and with a NaN.
-ROUND_TRIP_CASES = ([(s, d, poison) for s, d in [((1000,), jnp.float32), ((3, 5, 7), jnp.bfloat16),
-                                                 ((13,), jnp.float16)]
-                     for poison in (False, True)]
-                    + [((0,), jnp.float32, False)])  # an empty array has no value to poison
+# Float32, the 16-bit dtypes and an empty array, finite and with a NaN first:
+# their places among `_inputs`.
+ROUND_TRIP_CASES = {
+    "(1000,) float32": CASES.index(((1000,), jnp.float32)),
+    "(1000,) float32, NaN first": _FIRST_POISON + POISONS.index((np.nan, 0)),
+    "(3, 5, 7) bfloat16": CASES.index(((3, 5, 7), jnp.bfloat16)),
+    "(3, 5, 7) bfloat16, NaN first": _FIRST_POISON + len(POISONS),
+    "(97,) float16": CASES.index(((97,), jnp.float16)),
+    "(97,) float16, NaN first": _FIRST_POISON + len(POISONS) + 1,
+    "(0,) float32": CASES.index(((0,), jnp.float32)),  # no value to poison
+}
 
 
 @pytest.mark.parametrize("name", COMPRESSORS)
 def test_round_trip_is_encode_then_decode(name):
     """``round_trip(x)`` is ``(encode(x), decode(encode(x)))`` bit for bit, fused or not,
     in one jitted program (as error feedback runs it), NaN included. Every case of
-    `ROUND_TRIP_CASES` in one program per path (two compiles)."""
+    `ROUND_TRIP_CASES` in one program per path: the fused one here, the other the
+    shapes test's (`_encoded_and_decoded`)."""
     c = COMPRESSORS[name]()
-    xs = []
-    for shape, dtype, poison in ROUND_TRIP_CASES:
-        x = normal(3, shape, jnp.float32)
-        if poison:
-            x = x.at[(0,) * x.ndim].set(jnp.nan)
-        xs.append(x.astype(dtype))
-    key = jax.random.key(4)
+    inputs, unfused = _encoded_and_decoded(name)
+    xs = [inputs[i] for i in ROUND_TRIP_CASES.values()]
+    assert [x.dtype for x in xs] == [jnp.float32, jnp.float32, jnp.bfloat16, jnp.bfloat16,
+                                     jnp.float16, jnp.float16, jnp.float32]
+    assert [bool(np.isnan(np.asarray(x, np.float32)).any()) for x in xs] == [
+        False, True, False, True, False, True, False]
+    key = jax.random.key(0)  # `_round_trips`'
     fused = jax.jit(lambda xs: [c.round_trip(x, key) for x in xs])(xs)
-    for case, (payload, x_hat), (want, want_hat) in zip(ROUND_TRIP_CASES, fused,
-                                                        _round_trips(c, xs, [key] * len(xs)),
-                                                        strict=True):
+    for case, (payload, x_hat), (want, want_hat) in zip(
+            ROUND_TRIP_CASES, fused, [unfused[i] for i in ROUND_TRIP_CASES.values()],
+            strict=True):
         for got, ref in zip(jax.tree.leaves(payload), jax.tree.leaves(want), strict=True):
             np.testing.assert_array_equal(_bits(got), _bits(ref), err_msg=str(case))
         np.testing.assert_array_equal(_bits(x_hat), _bits(want_hat), err_msg=str(case))

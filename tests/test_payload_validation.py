@@ -24,8 +24,10 @@ X = normal(1, SHAPE)
 
 
 def _entropy_planned():
+    """Planned on `X` (built at collection: the plan compiled as one program
+    takes a tenth of the time of its operations run one by one)."""
     c = qc.entropy()
-    return c.with_plan(jax.tree.map(int, c.plan(X, KEY)))
+    return c.with_plan(jax.tree.map(int, jax.jit(c.plan)(X, KEY)))
 
 
 def _pca(mean: bool):
@@ -184,7 +186,7 @@ def test_vmapped_decode_checks_per_example_leaves(name):
             jax.jit(jax.vmap(c.decode))(with_leaf(payloads, leaf, damaged))
 
 
-@pytest.mark.parametrize("name", [n for n in COMPRESSORS if COMPRESSORS[n]().linear])
+@pytest.mark.parametrize("name", [n for n in COMPRESSORS if compressor(n).linear])
 def test_payloads_summed_in_the_compressed_domain_decode(name):
     c = compressor(name)
     total = jax.tree.map(jnp.add, payload_of(name), payload_of(name, 2 * X))
@@ -207,7 +209,7 @@ def valid_counts(c, shape):
     return jnp.asarray([max(s - 3, 0) for s in sizes], jnp.int32)
 
 
-@pytest.mark.parametrize("name", [n for n in COMPRESSORS if COMPRESSORS[n]().masks_padding])
+@pytest.mark.parametrize("name", [n for n in COMPRESSORS if compressor(n).masks_padding])
 def test_payloads_encoded_with_valid_counts_decode(name):
     c = compressor(name)
     valid = valid_counts(c, SHAPE)
