@@ -288,8 +288,7 @@ def _update(grads: optax.Updates, state: CompressedAllReduceState,
     del params
     check_local_gradients(grads, settings.axis_name)
     leaves, treedef = jax.tree.flatten(grads)
-    want = EF21State if isinstance(settings.feedback, EF21) else ResidualState
-    stored, memory = _read(grads, state.feedback, want, settings.axis_name)
+    stored, memory = _read(grads, state.feedback, settings.feedback.state, settings.axis_name)
     exact_step, step = settings.feedback.steps(_context(settings, grads))
     if settings.compress_after.steps == 0:
         out, new = step(leaves, memory, state.key, state.count)

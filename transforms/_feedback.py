@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable
-from typing import Any, Union
+from typing import Any, ClassVar, Union
 
 import jax
 
@@ -50,6 +50,8 @@ class ResidualFeedback:
     """Seide's residual error feedback (`transforms.residual_feedback`)."""
 
     keep: bool = dataclasses.field(default=True, repr=False)
+    #: The type of the state it keeps.
+    state: ClassVar[type] = ResidualState
 
     def check(self, algorithm: str) -> None:
         """Every algorithm suits the residual."""
@@ -77,6 +79,8 @@ class EF21:
     """EF21's estimator, EF21-SGDM's with ``momentum`` (`transforms.ef21`)."""
 
     momentum: float | None = None
+    #: The type of the state it keeps.
+    state: ClassVar[type] = EF21State
 
     def __post_init__(self) -> None:
         eta = check_float("momentum", self.momentum, low=0.0, high=1.0, allow_none=True)
@@ -168,8 +172,11 @@ def ef21(*, momentum: float | None = None) -> EF21:
 
 
 _NONE = ResidualFeedback(keep=False)
-_OLD = {True: "transforms.residual_feedback()", "residual": "transforms.residual_feedback()",
-        False: "None", "none": "None", "ef21": "transforms.ef21()"}
+#: The older spellings: what each means, and its new spelling.
+_OLD: dict[object, tuple[ResidualFeedback | EF21, str]] = {
+    True: (ResidualFeedback(), "transforms.residual_feedback()"),
+    "residual": (ResidualFeedback(), "transforms.residual_feedback()"),
+    False: (_NONE, "None"), "none": (_NONE, "None"), "ef21": (EF21(), "transforms.ef21()")}
 
 
 def feedback_from(error_feedback: object, ef21_momentum: object = None
@@ -199,13 +206,10 @@ def feedback_from(error_feedback: object, ef21_momentum: object = None
     if isinstance(error_feedback, (ResidualFeedback, EF21)):
         return error_feedback
     if isinstance(error_feedback, (bool, str)) and error_feedback in _OLD:
+        strategy, spelling = _OLD[error_feedback]
         warnings.warn(f"error_feedback={error_feedback!r} is deprecated: pass "
-                      f"error_feedback={_OLD[error_feedback]}", DeprecationWarning,
-                      stacklevel=3)
-        chosen: dict[object, ResidualFeedback | EF21] = {
-            True: ResidualFeedback(), "residual": ResidualFeedback(), False: _NONE,
-            "none": _NONE, "ef21": EF21()}
-        return chosen[error_feedback]
+                      f"error_feedback={spelling}", DeprecationWarning, stacklevel=3)
+        return strategy
     raise ValueError(f"error_feedback must be transforms.residual_feedback(), "
                      f"transforms.ef21(...) or None, got {error_feedback!r}")
 
@@ -221,7 +225,7 @@ def keeps_residual(error_feedback: object, owner: str) -> bool:
     """
     if isinstance(error_feedback, bool):
         warnings.warn(f"{owner}(error_feedback={error_feedback!r}) is deprecated: pass "
-                      f"error_feedback={_OLD[error_feedback]}", DeprecationWarning,
+                      f"error_feedback={_OLD[error_feedback][1]}", DeprecationWarning,
                       stacklevel=3)
         return error_feedback
     if error_feedback is None:
