@@ -58,6 +58,12 @@ from qcollect.collectives._ring import (
 from qcollect.collectives._sharded import compressed_all_gather, compressed_reduce_scatter
 from qcollect.compressors._adaptive import AdaptiveCompressor, adaptive
 from qcollect.compressors._baseline import CastCompressor, cast, identity
+from qcollect.compressors._dct import (
+    DCTComponents,
+    dct_components,
+    dct_matrix,
+    from_dct_components,
+)
 from qcollect.compressors._entropy import (
     EntropyCodec,
     EntropyCompressor,
@@ -112,6 +118,7 @@ __all__ = [
     "BatchBuckets",
     "CastCompressor",
     "Compressor",
+    "DCTComponents",
     "EntropyCodec",
     "EntropyCompressor",
     "EntropyPlan",
@@ -135,10 +142,13 @@ __all__ = [
     "compressed_all_gather",
     "compressed_all_reduce",
     "compressed_reduce_scatter",
+    "dct_components",
+    "dct_matrix",
     "entropy",
     "exchange_chunks",
     "fsdp_gather",
     "fsdp_residuals",
+    "from_dct_components",
     "fused_psum",
     "identity",
     "leaf_chunks",

@@ -31,6 +31,32 @@ def integers(seed, shape, low, high, dtype=None):
     return jnp.asarray(x if dtype is None else x.astype(dtype))
 
 
+def device_grads(seed, shapes: dict, scales: dict, n: int) -> dict:
+    """Each device's gradient of each named leaf: ``scales[k]`` times standard
+    normals of shape ``(n, *shapes[k])`` (NumPy float32), device ``i``'s at ``[i]``."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return {k: (scales[k] * rng.standard_normal((n,) + s)).astype(np.float32)
+            for k, s in shapes.items()}
+
+
+def least_squares(n: int):
+    """``(params, loss, x, y)``: a 16 x 4 linear model and its squared error,
+    32 examples per device of ``n`` along a leading device axis."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, 32, 16)).astype(np.float32)
+    y = x @ rng.standard_normal((16, 4)).astype(np.float32)
+
+    def loss(p, x, y):
+        return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+
+    return {"w": jnp.zeros((16, 4)), "b": jnp.zeros(4)}, loss, x, y
+
+
 @functools.cache
 def mesh_of(n: int):
     return jax.make_mesh((n,), ("d",), devices=jax.devices()[:n])

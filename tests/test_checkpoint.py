@@ -73,9 +73,16 @@ TRANSFORMS = {
     # 1-bit Adam's recipe: saved after the exact steps and the freeze (step 2)
     "onebit-adam": lambda: transforms.compressed_all_reduce(
         AXIS, compressor=qc.onebit(), key=jax.random.key(0), compress_after=2),
+    # transforms.onebit_adam, the whole optimizer: saved inside the warm-up
+    # (step 3 of 5) and after it (the worker and server errors kept)
+    **{f"onebit-adam-optimizer-{k}": lambda k=k: transforms.onebit_adam(
+        AXIS, learning_rate=1e-2, compress_after=k, key=jax.random.key(0), weight_decay=0.1)
+       for k in (5, 2)},
 }
 #: The optimizer each is chained with (default Adam).
-OPTIMIZERS = {"onebit-adam": lambda: transforms.frozen_adamw(1e-2, 2, weight_decay=0.1)}
+OPTIMIZERS = {"onebit-adam": lambda: transforms.frozen_adamw(1e-2, 2, weight_decay=0.1),
+              "onebit-adam-optimizer-5": optax.identity,
+              "onebit-adam-optimizer-2": optax.identity}
 
 
 def _start(tx, mesh):

@@ -576,3 +576,36 @@ def test_time_to_target_times_each_phase_of_a_point(tmp_path, capsys):
     assert "25% above none's mean" in (tmp_path / "time_to_target_25pct.md").read_text()
     with pytest.raises(SystemExit):
         time_to_target.main(["--frontier", str(tmp_path), "--within", "-0.1"])
+
+
+def test_lm_trains_with_the_optimizers_that_compress_inside(tmp_path):
+    """1-bit Adam after a bfloat16 warm-up (phases ``lead-in`` then
+    ``compressed``, the warm-up half of float32's bytes) and DeMo (an
+    all-gather of 3 bytes per sent coefficient): finite, and each measured."""
+    import jax
+
+    n = jax.device_count()
+    cfg = Config(width=32, depth=1, heads=2, context=16)
+    sizes = [leaf.size for leaf in _leaves(cfg)]
+    onebit = _main()(["--optimizer", "onebit-adam", "--compressors", "onebit-column",
+                      "--compress-after", "1", "--warm-up-compressor", "bf16", "--steps", "2",
+                      "--output-dir", str(tmp_path / "a"), *TINY])
+    demo = _main()(["--optimizer", "demo", "--compressors", "none", "--demo-top-k", "1",
+                    "--steps", "1", "--output-dir", str(tmp_path / "b"), *TINY])
+    for r in onebit + demo:
+        assert np.isfinite(r.losses).all() and np.isfinite(r.accuracy).all(), r.name
+    (adam,), (demo,) = onebit, demo
+    assert [span[0] for span in adam.phases] == ["lead-in", "compressed"]
+    lead_in, compressed = adam.wire_bytes_by_phase["lead-in"], adam.wire_bytes_by_phase[
+        "compressed"]
+    small = sum(s for s in sizes if s < cfg.min_size)
+    assert lead_in == pytest.approx(_pmean_bytes(n, sum(sizes) - small) / 2
+                                    + _pmean_bytes(n, small), abs=2)
+    assert compressed < lead_in / 4    # the small leaves go exact
+    chunks = sum(math.ceil(s / 64) for s in sizes)
+    assert demo.wire_bytes == (n - 1) * chunks * 3
+    for bad in (dict(optimizer="demo", compressors=("qsgd-4",)),
+                dict(optimizer="onebit-adam", compressors=("onebit",), compress_after=0),
+                dict(optimizer="onebit-adam", compressors=("powersgd",), compress_after=2)):
+        with pytest.raises(ValueError, match="optimizer"):
+            Config(**bad)

@@ -86,6 +86,42 @@ def test_each_phase_is_measured_and_scheduled_by_name():
     assert transforms.steps_per_phase(spans) == {"exact": 120, "compressed": 480}
 
 
+@pytest.mark.parametrize("warm_up", [qc.cast("bfloat16"), qc.qsgd(bits=8)])
+def test_a_warm_up_compressor_sends_the_first_steps_through_it(warm_up):
+    """``CompressAfter(K, warm_up=c)``: the first K steps are the mean
+    through ``c`` (close to the exact mean, not equal; the residuals
+    untouched), marked ``"lead-in"`` and priced by their own bytes."""
+    schedule = transforms.CompressAfter(2, warm_up=warm_up)
+    warm, state, step = _run(_tx(compress_after=schedule), 3)
+    exact, _, _ = _run(_tx(compress_after=2), 3)
+    for t in range(2):
+        mean = jax.tree.map(lambda g: g.mean(0), _grads(t))
+        for k in SHAPES:
+            err = np.abs(np.asarray(warm[t][k]) - mean[k]).max()
+            assert 0 < err <= 0.02 * np.abs(_grads(t)[k]).max()
+    _assert_close(warm[2], exact[2])    # the compressed phase starts from the same residuals
+    grads = jax.device_put(_grads(0), NamedSharding(mesh_of(N), P("d")))
+    phases = qc.wire_bytes_by_phase(step.mapped, grads, state)
+    plain = 2 * (N - 1) / N * 4 * sum(int(np.prod(s)) for s in SHAPES.values())
+    assert set(phases) == {"lead-in", "compressed"}
+    # half of float32's or less (qsgd-8's scales and chunk padding on these small leaves)
+    assert phases["compressed"] < phases["lead-in"] <= 0.52 * plain
+    assert [s.name for s in schedule.spans(10)] == ["lead-in", "compressed"]
+
+
+def test_a_warm_up_compressor_is_refused_where_it_cannot_apply():
+    with pytest.raises(ValueError, match="warm_up"):
+        transforms.CompressAfter(2, warm_up="bf16")
+    lossy = transforms.CompressAfter(2, warm_up=qc.cast("bfloat16"))
+    with pytest.raises(ValueError, match="residual"):
+        _tx(compress_after=lossy, error_feedback=transforms.ef21())
+    with pytest.raises(ValueError, match="warm_up"):
+        transforms.powersgd("d", rank=2, key=jax.random.key(0), compress_after=lossy)
+    # the variance freeze reads only the steps
+    frozen = transforms.frozen_adamw(1e-2, lossy)
+    assert frozen.init({"w": jnp.zeros(2)})[0].nu_count == 0
+
+
 def test_compress_after_is_checked():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="compress_after"):

@@ -237,7 +237,7 @@ def _mlp_grads(t, n):
 
 
 def test_stacked_step_equals_leaf_by_leaf_at_mlp_size():
-    """Five steps (warm start, error feedback) on the MLP's leaves at width 2048
+    """Three steps (warm start, error feedback) on the MLP's leaves at width 2048
     on 4 devices equal float64 leaf-by-leaf PowerSGD within float32 rounding.
     At these sizes a class of one leaf went through XLA:CPU's miscompiled
     size-1 batch (`qcollect.orthogonalize`): the output layer's update was off
@@ -246,8 +246,8 @@ def test_stacked_step_equals_leaf_by_leaf_at_mlp_size():
     tx = transforms.powersgd("d", rank=4, key=jax.random.key(0), compress_after=0)
     state = _init(tx, _template(MLP_SHAPES), n)
     run = sharded_update(tx, n, state)
-    grads = [_mlp_grads(t, n) for t in range(5)]
-    for t, want in enumerate(_leaf_by_leaf(grads.__getitem__, state, 5, n)):
+    grads = [_mlp_grads(t, n) for t in range(3)]
+    for t, want in enumerate(_leaf_by_leaf(grads.__getitem__, state, 3, n)):
         updates, state = run(grads[t], state)
         _assert_step_matches(updates, state, want, 1e-4, t)
 

@@ -29,6 +29,7 @@ from transforms._all_reduce import CompressedAllReduceState, compressed_all_redu
 from transforms._averaging import ModelAveragingState, compressed_model_averaging
 from transforms._blocks import local_replica
 from transforms._checkpoint import restore_sharded
+from transforms._demo import DeMoState, decoupled_momentum
 from transforms._diloco import DiLoCoState, diloco
 from transforms._diloco_schedule import DiLoCoStep, diloco_schedule, fragment_masks
 from transforms._ef21 import EF21State
@@ -48,6 +49,7 @@ from transforms._fsdp import (
 from transforms._gradiveq import GradiVeQState, gradiveq
 from transforms._gradiveq_cycle import gradiveq_phases
 from transforms._mean import mean_all_reduce
+from transforms._onebit_adam import OneBitAdamState, onebit_adam
 from transforms._phases import (
     CompressAfter,
     PhaseSpan,
@@ -65,11 +67,13 @@ __all__ = [
     "AccumulateState",
     "CompressAfter",
     "CompressedAllReduceState",
+    "DeMoState",
     "DiLoCoState",
     "FSDPState",
     "FrozenAdamState",
     "GradiVeQState",
     "ModelAveragingState",
+    "OneBitAdamState",
     "PhaseSpan",
     "PowerSGDState",
     "accumulate",
@@ -78,6 +82,7 @@ __all__ = [
     "compressed_all_reduce",
     "compressed_fraction",
     "compressed_model_averaging",
+    "decoupled_momentum",
     "diloco",
     "diloco_schedule",
     "ef21",
@@ -92,6 +97,7 @@ __all__ = [
     "local_replica",
     "matrices",
     "mean_all_reduce",
+    "onebit_adam",
     "path_name",
     "powersgd",
     "residual_feedback",

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 from typing import Any, NamedTuple, get_args
 
 import jax
@@ -62,7 +61,7 @@ from transforms._axes import AxisName, check_local_gradients
 from transforms._ef21 import Context, EF21State, Reduced
 from transforms._feedback import EF21, Feedback, ResidualFeedback, feedback_from, residual_feedback
 from transforms._finite import all_finite
-from transforms._phases import COMPRESSED, EXACT, CompressAfter, as_schedule
+from transforms._phases import COMPRESSED, CompressAfter, as_schedule
 from transforms._policy import (
     BlockSpecs,
     CompressorSpec,
@@ -224,6 +223,11 @@ def _validated(axis_name: AxisName, *, compressor: CompressorSpec, mean: bool,
     algorithm = check_choice("algorithm", algorithm, get_args(qc.Algorithm))
     feedback = feedback_from(error_feedback, ef21_momentum)
     feedback.check(algorithm)
+    schedule = as_schedule(compress_after)
+    if schedule.warm_up is not None and isinstance(feedback, EF21):
+        raise ValueError("compress_after with a warm_up compressor needs the residual error "
+                         "feedback: EF21's first steps set each device's estimate to its exact "
+                         "gradient")
     bucket_bytes = check_int("bucket_bytes", bucket_bytes, low=0, allow_none=True)
     qc.runs_batched(1, 0, batch_buckets)  # ValueError naming batch_buckets
     exchange = check_choice("exchange", exchange, get_args(qc.Exchange))
@@ -233,7 +237,7 @@ def _validated(axis_name: AxisName, *, compressor: CompressorSpec, mean: bool,
         min_size=check_int("min_size", min_size, low=0), compress_if=compress_if, fuse=fuse,
         bucket_bytes=bucket_bytes, pipeline=check_int("pipeline", pipeline),
         batch_buckets=batch_buckets, exchange=exchange, block_specs=block_specs,
-        compress_after=as_schedule(compress_after),
+        compress_after=schedule,
         mask_zero_rows=check_choice("mask_zero_rows", mask_zero_rows, (False, True)))
 
 
@@ -290,11 +294,15 @@ def _update(grads: optax.Updates, state: CompressedAllReduceState,
     leaves, treedef = jax.tree.flatten(grads)
     stored, memory = _read(grads, state.feedback, settings.feedback.state, settings.axis_name)
     exact_step, step = settings.feedback.steps(_context(settings, grads))
+    if settings.compress_after.warm_up is not None:
+        exact_step = functools.partial(_lead_in_step, settings=settings,
+                                       comps=settings.compressors(grads),
+                                       blocks=settings.leaf_block_specs(grads))
     if settings.compress_after.steps == 0:
         out, new = step(leaves, memory, state.key, state.count)
     else:
         def exact(*args: Any) -> _Step:
-            with qc.phase(EXACT):
+            with qc.phase(settings.compress_after.first):
                 return exact_step(*args)
 
         def compressed(*args: Any) -> _Step:
@@ -315,6 +323,29 @@ def _update(grads: optax.Updates, state: CompressedAllReduceState,
 
 #: ``(updates, error-feedback state of lists)`` of one step, leaf by leaf.
 _Step = tuple[list[jax.Array], Any]
+
+
+def _lead_in_step(leaves: list[jax.Array], memory: Any, key: jax.Array, count: jax.Array, *,
+                  settings: _Settings, comps: list[qc.Compressor | None],
+                  blocks: list[P] | None) -> _Step:
+    """The first steps through the warm-up compressor of ``compress_after``:
+    the leaves that are compressed later go through it together (no error
+    feedback: the state is untouched, as in the exact steps), the others
+    exactly; the updates in the gradients' dtypes."""
+    s = settings
+    compressed = [c is not None for c in comps]
+    out = sum_uncompressed(leaves, compressed, s.axis_name, mean=s.mean, block_specs=blocks)
+    which = [i for i, c in enumerate(compressed) if c]
+    if which:
+        result = qc.compressed_all_reduce(
+            [leaves[i].astype(jnp.float32) for i in which], s.axis_name,
+            s.compress_after.warm_up, jax.random.fold_in(key, count),
+            mean=s.mean, fuse=s.fuse, bucket_bytes=s.bucket_bytes,
+            batch_buckets=s.batch_buckets, exchange=s.exchange,
+            block_specs=None if blocks is None else [blocks[i] for i in which])
+        for j, i in enumerate(which):
+            out[i] = result.value[j]
+    return [o.astype(g.dtype) for o, g in zip(out, leaves, strict=True)], memory
 
 
 def _context(settings: _Settings, grads: optax.Updates) -> Context:

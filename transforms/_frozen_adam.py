@@ -32,7 +32,7 @@ import optax
 
 from transforms._phases import CompressAfter, as_schedule
 
-__all__ = ["FrozenAdamState", "frozen_adamw", "scale_by_frozen_adam"]
+__all__ = ["FrozenAdamState", "freeze_schedule", "frozen_adamw", "scale_by_frozen_adam"]
 
 
 class FrozenAdamState(NamedTuple):
@@ -95,7 +95,7 @@ def scale_by_frozen_adam(freeze_after: int | CompressAfter, b1: float = 0.9, b2:
       >>> int(state.count), int(state.nu_count)
       (3, 2)
     """
-    schedule = _freeze_schedule(freeze_after)
+    schedule = freeze_schedule(freeze_after)
     mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(mu_dtype)
     adam = optax.scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov)
 
@@ -129,15 +129,17 @@ def scale_by_frozen_adam(freeze_after: int | CompressAfter, b1: float = 0.9, b2:
     return optax.GradientTransformation(init, update)
 
 
-def _freeze_schedule(freeze_after: int | CompressAfter) -> CompressAfter:
+def freeze_schedule(freeze_after: int | CompressAfter,
+                    name: str = "freeze_after") -> CompressAfter:
     """``freeze_after`` as the schedule whose exact steps update ``nu``.
 
     Raises:
-      ValueError: not an integer >= 1 nor a `CompressAfter` of >= 1 step.
+      ValueError: not an integer >= 1 nor a `CompressAfter` of >= 1 step,
+        naming ``name``.
     """
-    schedule = as_schedule(freeze_after, "freeze_after")
+    schedule = as_schedule(freeze_after, name)
     if schedule.steps < 1:
-        raise ValueError(f"freeze_after must be at least 1 step (Adam's variance needs one "
+        raise ValueError(f"{name} must be at least 1 step (Adam's variance needs one "
                          f"gradient), got {freeze_after!r}")
     return schedule
 

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 
+import qcollect as qc
 from qcollect.checks import check_int
 
 __all__ = ["COMPRESSED", "EXACT", "INNER", "LEAD_IN", "OUTER", "POWERSGD_COMPRESS_AFTER",
@@ -81,12 +82,27 @@ class CompressAfter:
     """Exact steps first: steps ``0 .. steps - 1`` send the exact mean
     (phase ``"exact"``), the rest go through the compressor
     (``"compressed"``). The one schedule of ``compress_after`` in
-    `transforms.compressed_all_reduce` and `transforms.powersgd`, and of
-    ``freeze_after`` in `transforms.frozen_adamw`: pass one value to both
-    and 1-bit Adam's pair cannot disagree (Tang et al. 2021, section 3).
+    `transforms.compressed_all_reduce`, `transforms.onebit_adam` and
+    `transforms.powersgd`, and of ``freeze_after`` in
+    `transforms.frozen_adamw`: pass one value to both and 1-bit Adam's pair
+    cannot disagree (Tang et al. 2021, section 3).
+
+    A warm-up compressor (``warm_up=qc.cast("bfloat16")`` or
+    ``qc.qsgd(bits=8)``, which hold the loss where 2-bit and 1-bit do not)
+    sends the first steps' mean through it instead of float32, without error
+    feedback; those steps are then the phase ``"lead-in"``. The all-reduces
+    take it (not `transforms.powersgd`); the variance freeze reads the steps.
+    Before a variance freeze prefer ``cast("bfloat16")``: it keeps every
+    value's relative precision, while a quantizer rounds small values to
+    zero, and a value zero in every warm-up step freezes Adam's ``v`` at 0,
+    so its later steps are ``m / eps`` (the language model of ``examples/lm``
+    diverged two steps after a ``qsgd(bits=8)`` warm-up, and trained after a
+    bfloat16 one).
 
     Attributes:
       steps: exact steps first, >= 0.
+      warm_up: the compressor of those steps, or None (default: exact, the
+        gradients' own dtypes).
 
     Example:
       >>> import transforms
@@ -99,18 +115,28 @@ class CompressAfter:
     """
 
     steps: int
+    warm_up: Any = None
 
     def __post_init__(self) -> None:
         check_int("compress_after", self.steps, low=0)
+        if self.warm_up is not None and not isinstance(self.warm_up, qc.Compressor):
+            raise ValueError(f"warm_up must be a qcollect Compressor or None (exact), got "
+                             f"{self.warm_up!r}")
+
+    @property
+    def first(self) -> str:
+        """The name of the first steps' phase: ``"exact"``, or ``"lead-in"``
+        with a warm-up compressor."""
+        return EXACT if self.warm_up is None else LEAD_IN
 
     def at(self, count: jax.Array | int) -> jax.Array:
-        """Whether step ``count`` is one of the exact steps (a bool scalar)."""
+        """Whether step ``count`` is one of the first steps (a bool scalar)."""
         return jnp.asarray(count) < self.steps
 
     def spans(self, steps: int) -> tuple[PhaseSpan, ...]:
-        """``"exact"`` then ``"compressed"`` over steps ``0 .. steps - 1``."""
+        """`first` then ``"compressed"`` over steps ``0 .. steps - 1``."""
         steps = check_int("steps", steps, low=0)
-        return clipped([(EXACT, 0, self.steps), (COMPRESSED, self.steps, steps)], steps)
+        return clipped([(self.first, 0, self.steps), (COMPRESSED, self.steps, steps)], steps)
 
 
 def as_schedule(compress_after: object, name: str = "compress_after") -> CompressAfter:

@@ -273,7 +273,12 @@ def _compress_after(compress_after: int | CompressAfter | None,
     """``compress_after`` as a schedule (None: the default, 10), or the
     deprecated ``start_iter`` (warning); ValueError when both are given."""
     if start_iter is None:
-        return as_schedule(POWERSGD_COMPRESS_AFTER if compress_after is None else compress_after)
+        schedule = as_schedule(POWERSGD_COMPRESS_AFTER if compress_after is None
+                               else compress_after)
+        if schedule.warm_up is not None:
+            raise ValueError("powersgd's compress_after takes no warm_up compressor: its first "
+                             "steps are exact (a CompressAfter without warm_up)")
+        return schedule
     warnings.warn("powersgd(start_iter=...) is deprecated: pass compress_after=...",
                   DeprecationWarning, stacklevel=3)
     if compress_after is not None:

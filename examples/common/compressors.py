@@ -60,6 +60,9 @@ class Communication(NamedTuple):
         (`examples.common.entropy_plan`), else None.
       replicated: the update is the same on every device (False only for
         ``local``, which reduces nothing).
+      compressor, key: the compressor and key of ``tx`` where it is one of
+        `MOMENTUM_COMPRESSORS`: what an optimizer that all-reduces inside
+        (`common.train.InOptimizer`) takes instead of ``tx``.
       phases: ``phases(steps)``: which steps of a run fall in which phase,
         a tuple of `transforms.PhaseSpan` under the names the
         transformation marks its branches with (`qcollect.phase`): the
@@ -73,6 +76,8 @@ class Communication(NamedTuple):
     entropy: qc.EntropyCompressor | None = None
     replicated: bool = True
     phases: Callable[[int], tuple] | None = None
+    compressor: qc.Compressor | None = None
+    key: jax.Array | None = None
 
 
 def pmean(axis_name, block_specs=None) -> optax.GradientTransformation:
@@ -132,6 +137,20 @@ def feedback(setting: str | bool):
     return _FEEDBACK[setting]()
 
 
+def compress_after_of(cfg) -> transforms.CompressAfter:
+    """The schedule of ``cfg``'s first steps: ``cfg.compress_after`` of them,
+    through ``cfg.warm_up_compressor`` (none: exact).
+
+    Example:
+      >>> from lm.config import Config
+      >>> compress_after_of(Config(compress_after=60, warm_up_compressor="bf16")).first
+      'lead-in'
+    """
+    warm = cfg.warm_up_compressor
+    return transforms.CompressAfter(cfg.compress_after,
+                                    warm_up=None if warm == "none" else _COMPRESSORS[warm](cfg))
+
+
 def _compressed(compressor, cfg, axis_name, key, **kwargs) -> optax.GradientTransformation:
     return transforms.compressed_all_reduce(axis_name, compressor=compressor, key=key,
                                             min_size=cfg.min_size, exchange=cfg.exchange,
@@ -183,19 +202,25 @@ _COMPRESSORS = {
 }
 
 
+#: The names whose compressor `transforms.onebit_adam` can take for its momentum.
+MOMENTUM_COMPRESSORS = ("none", *_COMPRESSORS)
+
+
 def _communication(name: str, cfg, axis_name, key, block_specs=None) -> Communication:
     if name == "none":
-        return Communication(pmean(axis_name, block_specs))
+        return Communication(pmean(axis_name, block_specs), compressor=qc.identity(), key=key,
+                             phases=phases_of(name, cfg))
     if name == COMPUTE_ONLY:
         return Communication(optax.identity(), replicated=False)
     if name == PSUM_BF16:
         return Communication(pmean_bf16(axis_name, block_specs))
     if name in _COMPRESSORS:
-        first = cfg.compress_after
+        first, compressor = compress_after_of(cfg), _COMPRESSORS[name](cfg)
         return Communication(
-            _compressed(_COMPRESSORS[name](cfg), cfg, axis_name, key, block_specs=block_specs,
+            _compressed(compressor, cfg, axis_name, key, block_specs=block_specs,
                         compress_after=first),
-            phased=first > 0, phases=phases_of(name, cfg))
+            phased=first.steps > 0, phases=phases_of(name, cfg), compressor=compressor,
+            key=key)
     if block_specs is not None:
         raise ValueError(f"compressors: with model axes the all-reduce takes "
                          f"{', '.join(MODEL_AXIS_COMPRESSORS)}, got {name!r}")
@@ -228,8 +253,8 @@ def phases_of(name: str, cfg) -> Callable[[int], tuple] | None:
       (PhaseSpan(name='exact', start=0, stop=10),
        PhaseSpan(name='compressed', start=10, stop=30))
     """
-    if name in _COMPRESSORS:
-        return transforms.CompressAfter(cfg.compress_after).spans if cfg.compress_after else None
+    if name in _COMPRESSORS or (name == "none" and cfg.optimizer == "onebit-adam"):
+        return compress_after_of(cfg).spans if cfg.compress_after else None
     if name == "powersgd":
         return transforms.CompressAfter(cfg.compress_after or cfg.powersgd_start).spans
     if name == "gradiveq":

@@ -36,7 +36,9 @@ REFERENCES = (COMPUTE_ONLY, PSUM_BF16)
 # compress each device's model block; the phased and planned ones do not.
 MODEL_AXIS_COMPRESSORS = ("none", "bf16", "onebit", "onebit-column", "threshold", "adaptive",
                           "qsgd-2", "qsgd-4", "qsgd-8") + REFERENCES
-OPTIMIZERS = ("adagrad", "sgd", "momentum", "adam", "adamw")
+#: What ``--warm-up-compressor`` takes: none (exact) or a near-lossless compressor.
+WARM_UP_COMPRESSORS = ("none", "bf16", "qsgd-8")
+OPTIMIZERS = ("adagrad", "sgd", "momentum", "adam", "adamw", "onebit-adam", "demo")
 # The names --error-feedback takes (`common.compressors.feedback` makes each
 # the strategy of `transforms.compressed_all_reduce`).
 ERROR_FEEDBACK = ("residual", "ef21")
@@ -72,7 +74,11 @@ class TrainConfig:
         f"(lax.pmean of bfloat16 gradients); or all (every compressor, neither reference)")
     optimizer: str = flag(
         "adagrad", f"optimizer applied after the all-reduce: {', '.join(OPTIMIZERS)} "
-                   "(momentum: SGD with momentum 0.9)")
+                   "(momentum: SGD with momentum 0.9; onebit-adam: 1-bit Adam, which "
+                   "all-reduces inside: exact Adam for --compress-after steps, then its "
+                   "momentum through the run's compressor with the variance frozen; demo: "
+                   "DeMo, each device's momentum decoupled and its largest DCT components "
+                   "all-gathered, with --compressors none)")
     learning_rate: float = flag(0.03, "the optimizer's step size (finite, > 0)")
     batch_size: int = flag(
         16, "examples per device per step; the global batch is this times the data-parallel "
@@ -115,6 +121,13 @@ class TrainConfig:
         0, "exact steps first: steps of exact mean before any compressor's all-reduce "
            "starts (phase 'exact', 1-bit Adam's first stage; 0: compress from the first "
            "step); for PowerSGD it replaces --powersgd-start (the same schedule)")
+    demo_chunk: int = flag(64, "DeMo's DCT chunk: values per chunk (2 to 65,536)")
+    demo_top_k: int = flag(2, "DeMo's components sent per chunk (1 to --demo-chunk)")
+    demo_beta: float = flag(0.999, "DeMo's momentum decay, in [0, 1)")
+    warm_up_compressor: str = flag(
+        "none", "what the --compress-after steps send: none (the exact mean), bf16 or qsgd-8 "
+                "(phase 'lead-in'; no error feedback; before a variance freeze bf16: qsgd-8 "
+                "rounds small values to 0 and can freeze Adam's variance there)")
     error_feedback: str = flag(
         "residual", "the one-compressor all-reduces' error feedback: residual (Seide's: what "
                     "an encoding lost is added next step) or ef21 (each device tracks its "
@@ -204,6 +217,14 @@ class TrainConfig:
         check_folder("checkpoint_dir", self.checkpoint_dir)
         if tuple(self.mesh) not in (("data",), ("node", "local")):
             raise ValueError(f"mesh must be 'data' or 'node,local', got {','.join(self.mesh)!r}")
+        if self.warm_up_compressor not in WARM_UP_COMPRESSORS:
+            raise ValueError(f"warm_up_compressor must be one of {WARM_UP_COMPRESSORS}, got "
+                             f"{self.warm_up_compressor!r}")
+        if self.warm_up_compressor != "none" and (self.compress_after < 1 or any(
+                n in ("powersgd", "gradiveq") or n.startswith("entropy")
+                for n in self.compressor_names)):
+            raise ValueError("warm_up_compressor needs compress_after >= 1 and the "
+                             "one-compressor all-reduces (not powersgd, gradiveq or entropy)")
         if self.error_feedback not in ERROR_FEEDBACK:
             raise ValueError(f"error_feedback must be one of {ERROR_FEEDBACK}, "
                              f"got {self.error_feedback!r}")
@@ -215,12 +236,42 @@ class TrainConfig:
             raise ValueError(f"freeze_variance freezes Adam's second moment at compress_after: "
                              f"it needs optimizer adam or adamw and compress_after >= 1, got "
                              f"{self.optimizer!r} and {self.compress_after}")
+        self._check_optimizer()
         self._check_parallel()
         self._check_model_parallel()
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume needs checkpoint_dir")
         if not 0 <= self.gradiveq_loss < 1:
             raise ValueError(f"gradiveq_loss must be in [0, 1), got {self.gradiveq_loss!r}")
+
+    def _check_optimizer(self) -> None:
+        if self.optimizer == "demo":
+            if tuple(self.compressor_names) != ("none",) or self.compress_after or (
+                    self.parallel != "replicated" or self.model_parallel != 1):
+                raise ValueError("optimizer 'demo' sends its own DCT components: it takes "
+                                 "compressors none, no compress_after, parallel 'replicated'")
+            if not (2 <= self.demo_chunk <= 65536 and 1 <= self.demo_top_k <= self.demo_chunk
+                    and 0 <= self.demo_beta < 1):
+                raise ValueError(f"demo_chunk must be in [2, 65536], demo_top_k in [1, "
+                                 f"demo_chunk], demo_beta in [0, 1), got {self.demo_chunk}, "
+                                 f"{self.demo_top_k}, {self.demo_beta}")
+            return
+        if self.optimizer != "onebit-adam":
+            return
+        from common.compressors import MOMENTUM_COMPRESSORS
+
+        unknown = [n for n in self.compressor_names if n not in MOMENTUM_COMPRESSORS]
+        if unknown or self.compress_after < 1 or self.freeze_variance:
+            raise ValueError(
+                f"optimizer 'onebit-adam' compresses its momentum with the run's compressor "
+                f"(one of {', '.join(MOMENTUM_COMPRESSORS)}) after compress_after >= 1 exact "
+                f"steps and freezes the variance itself (no freeze_variance); got compressors "
+                f"{', '.join(unknown) or 'fine'}, compress_after {self.compress_after}, "
+                f"freeze_variance {self.freeze_variance}")
+        if self.parallel != "replicated" or self.model_parallel != 1 or tuple(self.mesh) != (
+                "data",):
+            raise ValueError("optimizer 'onebit-adam' needs parallel 'replicated', mesh 'data' "
+                             "and model_parallel 1 (it all-reduces its momentum over 'data')")
 
     def _check_parallel(self) -> None:
         if self.parallel not in ("replicated", "fsdp"):

@@ -13,7 +13,7 @@ from common import report
 from common.devices import data_mesh
 from common.mnist import load_mnist
 from common.task import as_task
-from common.train import DataParallel, make_optimizer, train, with_image_shape
+from common.train import DataParallel, InOptimizer, make_optimizer, train, with_image_shape
 
 
 def baseline_wire_bytes(dp: DataParallel, cfg, data, optimizer=None) -> int:
@@ -26,7 +26,9 @@ def baseline_wire_bytes(dp: DataParallel, cfg, data, optimizer=None) -> int:
     """
     dp = dp.uncompressed()
     comm = dp.communication(report.BASELINE, cfg, jax.random.key(cfg.seed))
-    tx = optax.chain(comm.tx, make_optimizer(cfg) if optimizer is None else optimizer)
+    optimizer = make_optimizer(cfg) if optimizer is None else optimizer
+    tx = optax.chain(comm.tx, optax.identity() if isinstance(optimizer, InOptimizer)
+                     else optimizer)
     params = dp.place(dp.params)
     state = dp.init(tx, params)
     x, y = next(as_task(data).batches(cfg.batch_size * dp.num_devices, 1, cfg.seed))
@@ -135,9 +137,11 @@ def run(cfg, build_model, image_shape, stem: str, title: str, data=None):
 
 def baseline_bytes(results, dp: DataParallel, cfg, data, optimizer=None) -> int:
     """The baseline's wire bytes per step: the ``none`` run's when it ran
-    uncompressed (not with compressed weights under FSDP), else compiled
+    uncompressed (not with compressed weights under FSDP, nor inside an
+    optimizer that compresses, `common.train.InOptimizer`), else compiled
     (`baseline_wire_bytes`)."""
-    uncompressed = cfg.parallel != "fsdp" or cfg.weight_compressor == "none"
+    uncompressed = ((cfg.parallel != "fsdp" or cfg.weight_compressor == "none")
+                    and not isinstance(make_optimizer(cfg), InOptimizer))
     base = next((r.wire_bytes for r in results if r.name == report.BASELINE and uncompressed),
                 None)
     return baseline_wire_bytes(dp, cfg, data, optimizer) if base is None else base

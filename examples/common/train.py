@@ -36,6 +36,7 @@ import functools
 import statistics
 import time
 import warnings
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +51,7 @@ import qcollect as qc
 import transforms
 from common import entropy_plan
 from common.checkpoints import Checkpoints, step_of
-from common.compressors import Communication, communication
+from common.compressors import Communication, communication, compress_after_of
 from common.devices import local_values
 from common.task import as_task
 
@@ -119,8 +120,26 @@ class RunResult:
         return self.accuracy[-1]
 
 
+@dataclasses.dataclass(frozen=True)
+class InOptimizer:
+    """An optimizer that all-reduces inside (`transforms.onebit_adam`):
+    `DataParallel.transformation` builds it from the run's compressor in
+    place of ``communication -> optimizer``.
+
+    Attributes:
+      build: ``build(axis, compressor, key) -> GradientTransformation``.
+    """
+
+    build: Callable[..., optax.GradientTransformation]
+
+    def after(self, first: optax.GradientTransformation) -> InOptimizer:
+        """This optimizer with ``first`` applied to each device's own
+        gradients before it (a clip is then by each device's norm)."""
+        return InOptimizer(lambda *args: optax.chain(first, self.build(*args)))
+
+
 def make_optimizer(cfg, learning_rate: float | optax.Schedule | None = None, *,
-                   weight_decay: float = 1e-4) -> optax.GradientTransformation:
+                   weight_decay: float = 1e-4) -> optax.GradientTransformation | InOptimizer:
     """The optimizer chained after the all-reduce (AdaGrad by default, as Dryden et al.).
 
     Args:
@@ -136,6 +155,15 @@ def make_optimizer(cfg, learning_rate: float | optax.Schedule | None = None, *,
       ...     1e-3, 100), weight_decay=0.1)
     """
     lr = cfg.learning_rate if learning_rate is None else learning_rate
+    if cfg.optimizer == "onebit-adam":
+        return InOptimizer(lambda axis, compressor, key: transforms.onebit_adam(
+            axis, learning_rate=lr, compress_after=compress_after_of(cfg), key=key,
+            compressor=compressor, weight_decay=weight_decay, mask=transforms.matrices(),
+            min_size=cfg.min_size))
+    if cfg.optimizer == "demo":
+        return InOptimizer(lambda axis, compressor, key: transforms.decoupled_momentum(
+            axis, learning_rate=lr, chunk_size=cfg.demo_chunk, top_k=cfg.demo_top_k,
+            beta=cfg.demo_beta, weight_decay=weight_decay, mask=transforms.matrices()))
     if cfg.freeze_variance:
         return transforms.frozen_adamw(lr, cfg.compress_after,
                             weight_decay=weight_decay if cfg.optimizer == "adamw" else 0.0,
@@ -218,10 +246,16 @@ class DataParallel:
         """The gradient all-reduce of compressor ``name`` (`common.compressors`)."""
         return communication(name, cfg, self.axis, key)
 
-    def transformation(self, comm: Communication,
-                       optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
-        """The step's transformation: the all-reduce, then the optimizer."""
-        return optax.chain(comm.tx, optimizer)
+    def transformation(self, comm: Communication, optimizer: optax.GradientTransformation
+                       | InOptimizer) -> optax.GradientTransformation:
+        """The step's transformation: the all-reduce, then the optimizer; an
+        `InOptimizer` alone, built from the all-reduce's compressor."""
+        if not isinstance(optimizer, InOptimizer):
+            return optax.chain(comm.tx, optimizer)
+        if comm.compressor is None:
+            raise ValueError("this optimizer all-reduces inside and takes the run's compressor: "
+                             "the run's all-reduce has none it can take")
+        return optimizer.build(self.axis, comm.compressor, comm.key)
 
     def uncompressed(self) -> DataParallel:
         """The same model and mesh with nothing compressed but the gradients
@@ -370,7 +404,8 @@ def train(dp: DataParallel, name: str, cfg, data, *, progress=None,
     task = as_task(data)
     key = jax.random.key(cfg.seed)
     comm: Communication = dp.communication(name, cfg, key)
-    run = _start(dp, comm, cfg, key, make_optimizer(cfg) if optimizer is None else optimizer)
+    optimizer = make_optimizer(cfg) if optimizer is None else optimizer
+    run = _start(dp, comm, cfg, key, optimizer)
     total = run_length(cfg, task.train_size, dp.num_devices)
     schedule = comm.phases(total) if comm.phases is not None else ()
     warn_if_never_compressed(name, schedule, total)
@@ -399,7 +434,8 @@ def train(dp: DataParallel, name: str, cfg, data, *, progress=None,
         bar.close()
     if run.args is None:  # resumed at the end: the step is measured, not run
         _measure_only(run, dp, next(task.batches(global_batch, 1, cfg.seed)))
-    _measure_wire(result, run.step, run.args, dp.mesh, comm.phased)
+    _measure_wire(result, run.step, run.args, dp.mesh,
+                  comm.phased or isinstance(optimizer, InOptimizer))
     result.phases = [list(span) for span in schedule]
     result.memory = dp.memory(run.params, run.opt_state)
     result.compiles = len(run.compiled)

@@ -49,6 +49,17 @@ from lm.config import Config  # noqa: E402
 #: A point's name comes from its settings and the run's steps (`name_of`).
 POINTS: tuple[dict, ...] = (
     {"compressors": ("none",)},
+    # the controls: none's learning rate tuned, and none with the variance frozen
+    *({"compressors": ("none",), "learning_rate": lr} for lr in (1.5e-3, 6e-3)),
+    *({"compressors": ("none",), "compress_after": k, "freeze_variance": True}
+      for k in ("10%", "20%")),
+    # 1-bit Adam: the momentum compressed inside the optimizer
+    *({"compressors": (c,), "optimizer": "onebit-adam", "compress_after": k,
+       **({"warm_up_compressor": w} if w != "none" else {})}
+      for c in ("onebit", "onebit-column", "qsgd-2") for k in ("5%", "10%", "20%")
+      for w in ("none", "bf16")),
+    # DeMo: decoupled momenta, 1 or 2 of each 64 DCT coefficients all-gathered
+    *({"compressors": ("none",), "optimizer": "demo", "demo_top_k": k} for k in (1, 2)),
     {"compressors": ("bf16",)},
     {"compressors": ("qsgd-8",)},
     {"compressors": ("qsgd-4",)},
@@ -102,8 +113,11 @@ def name_of(settings: dict, steps: int) -> str:
     a run records them) in a run of ``steps`` steps: the compressor
     (``powersgd-r8``; DiLoCo's every ``h`` steps and outer compressor,
     ``diloco-h10-qsgd-4``), then its exact steps first as their share of the
-    run (``exact10%``: the same name at 600 steps and at 1,800), ``frozen``
-    (Adam's variance), ``ef21``, ``mask`` (zero rows).
+    run (``exact10%``: the same name at 600 steps and at 1,800;
+    ``first10%-bf16`` through a warm-up compressor), ``frozen``
+    (Adam's variance), ``ef21``, ``mask`` (zero rows), and a learning rate
+    other than the default (``lr0.006``); 1-bit Adam's points start
+    ``onebit-adam-`` and name the momentum's compressor.
 
     Example:
       >>> settings = {"compressors": ["onebit"], "compress_after": 60, "freeze_variance": True}
@@ -117,13 +131,20 @@ def name_of(settings: dict, steps: int) -> str:
         (compressor,) = settings["compressors"]
         parts = [compressor + (f"-r{settings['powersgd_rank']}"
                                if compressor == "powersgd" else "")]
+        if settings.get("optimizer") == "onebit-adam":
+            parts.insert(0, "onebit-adam")
+        if settings.get("optimizer") == "demo":
+            parts = [f"demo-k{settings['demo_top_k']}"]
     exact = settings.get("compress_after")
     if exact:
-        parts.append(f"exact{exact}" if isinstance(exact, str) else
-                     f"exact{100 * exact / steps:.0f}%")
+        share = exact if isinstance(exact, str) else f"{100 * exact / steps:.0f}%"
+        warm = settings.get("warm_up_compressor", "none")
+        parts.append(f"exact{share}" if warm == "none" else f"first{share}-{warm}")
     parts += [part for part, on in (("frozen", settings.get("freeze_variance")),
                                     ("ef21", settings.get("error_feedback") == "ef21"),
                                     ("mask", settings.get("mask_zero_rows"))) if on]
+    if "learning_rate" in settings:
+        parts.append(f"lr{settings['learning_rate']:g}")
     return "-".join(parts)
 
 

@@ -40,7 +40,13 @@ from common.experiment import (  # noqa: E402
     train_each,
 )
 from common.text import NextBytes, load_stdlib  # noqa: E402
-from common.train import DataParallel, make_optimizer, run_length, train  # noqa: E402
+from common.train import (  # noqa: E402
+    DataParallel,
+    InOptimizer,
+    make_optimizer,
+    run_length,
+    train,
+)
 from common.wire_split import phase_bytes, wire_split  # noqa: E402
 
 import transforms  # noqa: E402
@@ -64,7 +70,10 @@ def make_lm_optimizer(cfg, total_steps: int, axis=None) -> optax.GradientTransfo
         0.0, cfg.learning_rate, warmup, max(total_steps, warmup + 1), cfg.learning_rate / 10)
     clip = (optax.clip_by_global_norm(cfg.clip_norm) if axis is None
             else transforms.clip_by_global_norm(cfg.clip_norm, axis))
-    return optax.chain(clip, make_optimizer(cfg, schedule, weight_decay=cfg.weight_decay))
+    optimizer = make_optimizer(cfg, schedule, weight_decay=cfg.weight_decay)
+    if isinstance(optimizer, InOptimizer):    # 1-bit Adam: each device clips its own
+        return optimizer.after(clip)
+    return optax.chain(clip, optimizer)
 
 
 def describe(dp: DataParallel, corpus: dict, cfg, title: str) -> str:

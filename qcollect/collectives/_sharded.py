@@ -200,10 +200,10 @@ def compressed_reduce_scatter(x: Any, axis_name: AxisName, compressor: Compresso
       >>> import jax, jax.numpy as jnp, qcollect as qc
       >>> from jax.sharding import NamedSharding, PartitionSpec as P
       >>> mesh = jax.make_mesh((2,), ("d",))
-      >>> rs = jax.shard_map(
+      >>> rs = jax.jit(jax.shard_map(
       ...     lambda g: qc.compressed_reduce_scatter(g[0], "d", qc.qsgd(bits=8),
       ...                                            jax.random.key(0)).value,
-      ...     mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+      ...     mesh=mesh, in_specs=P("d"), out_specs=P("d")))
       >>> g = jnp.stack([jnp.arange(4.0), jnp.ones(4)])  # device 0, device 1
       >>> rs(jax.device_put(g, NamedSharding(mesh, P("d")))).round(1).tolist()
       [1.0, 2.0, 3.0, 4.0]
@@ -290,9 +290,9 @@ def compressed_all_gather(shard: Any, axis_name: AxisName, compressor: Compresso
       >>> import jax, jax.numpy as jnp, qcollect as qc
       >>> from jax.sharding import NamedSharding, PartitionSpec as P
       >>> mesh = jax.make_mesh((2,), ("d",))
-      >>> ag = jax.shard_map(
+      >>> ag = jax.jit(jax.shard_map(
       ...     lambda w: qc.compressed_all_gather(w, "d", qc.cast(jnp.bfloat16)).value,
-      ...     mesh=mesh, in_specs=P("d"), out_specs=P())
+      ...     mesh=mesh, in_specs=P("d"), out_specs=P()))
       >>> ag(jax.device_put(jnp.array([1.0, 2.0, 3.0, 1/3]),
       ...                   NamedSharding(mesh, P("d")))).tolist()
       [1.0, 2.0, 3.0, 0.333984375]
