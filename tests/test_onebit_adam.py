@@ -197,3 +197,15 @@ def test_it_trains_and_accumulate_runs_it_once_per_optimizer_step():
     acc = transforms.accumulate("d", inner=_tx(learning_rate=0.05, compress_after=10), every=2)
     _, state, losses = train_sharded(acc, loss, params, x, y, 40, N)
     assert int(state.inner.adam.count) == 20 and losses[-1] < 0.5 * losses[0]
+
+
+def test_sharded_training_refuses_the_optimizers_that_reduce_inside():
+    """Under FSDP the gradients are reduced shards: 1-bit Adam and DeMo,
+    which all-reduce each device's gradients, are refused by name."""
+    params = {"w": jnp.zeros((N * 4, 8))}
+    dims = qc.shard_dimensions(params, N)
+    shards = transforms.shard_params(params, mesh_of(N), "d", dims)
+    for tx in (_tx(), transforms.decoupled_momentum("d", learning_rate=1e-3)):
+        assert isinstance(tx, optax.GradientTransformation)
+        with pytest.raises(ValueError, match="frozen_adamw"):
+            transforms.init_on_shards(tx, shards, mesh_of(N))

@@ -19,17 +19,26 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax import lax
 
 from qcollect.checks import check_floating_leaves
 from qcollect.varying import cast_varying, varying_axes
 
+__all__ = ["AxisName", "ReducingOptimizer", "check_axis", "check_local_gradients",
+           "cond_matching_types", "mesh_axes", "to_varying", "tracks_varying", "varies_along"]
+
 #: A data axis: one mesh axis name, or a tuple of them such as the pair
 #: ``(outer, inner)`` of a hierarchical all-reduce.
 AxisName = Hashable
 
-__all__ = ["AxisName", "check_axis", "check_local_gradients", "cond_matching_types",
-           "mesh_axes", "to_varying", "tracks_varying", "varies_along"]
+
+class ReducingOptimizer(optax.GradientTransformation):
+    """An optimizer that all-reduces each device's own gradients inside
+    (`transforms.onebit_adam`, `transforms.decoupled_momentum`): an
+    ``optax.GradientTransformation`` by type, which sharded training
+    (`transforms.init_on_shards`) refuses, its gradients being reduced
+    shards already."""
 
 
 def mesh_axes(axis_name: AxisName) -> tuple[Any, ...]:

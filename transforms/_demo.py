@@ -37,7 +37,7 @@ import optax
 
 import qcollect as qc
 from qcollect.checks import check_float, check_floating_leaves, check_int
-from transforms._axes import AxisName, check_local_gradients
+from transforms._axes import AxisName, ReducingOptimizer, check_local_gradients
 from transforms._finite import all_finite
 from transforms._placement import per_device
 from transforms._state import kept_per_device, read_per_device
@@ -120,7 +120,7 @@ def decoupled_momentum(axis_name: AxisName, *, learning_rate: optax.ScalarOrSche
         bool(sign), jnp.dtype(value_dtype))
     if settings.value_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
         raise ValueError(f"value_dtype must be bfloat16 or float32, got {value_dtype!r}")
-    return optax.GradientTransformation(
+    return ReducingOptimizer(
         lambda params: DeMoState(jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32),
                                               params), jnp.zeros([], jnp.int32)),
         functools.partial(_update, settings=settings))

@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 import qcollect as qc
 from qcollect.checks import check_choice, check_floating_leaves, check_key
 from qcollect.varying import varying_axes
-from transforms._axes import AxisName, check_axis, mesh_axes, varies_along
+from transforms._axes import AxisName, ReducingOptimizer, check_axis, mesh_axes, varies_along
 from transforms._feedback import ResidualFeedback, keeps_residual, residual_feedback
 from transforms._finite import finite_everywhere, keep_if_finite
 from transforms._placement import init_like_params, per_device, put
@@ -302,7 +302,9 @@ def init_on_shards(tx: optax.GradientTransformation, shards: optax.Params,
       gives its specs).
 
     Raises:
-      ValueError: ``tx``'s update of a replicated leaf varies across the
+      ValueError: ``tx`` all-reduces inside (`transforms.onebit_adam`,
+        `transforms.decoupled_momentum`: the message names the alternative);
+        ``tx``'s update of a replicated leaf varies across the
         devices (it mixes in a value computed from one device's shards, as
         ``optax.clip_by_global_norm`` does: use `clip_by_global_norm`);
         found by tracing one update, no computation.
@@ -317,6 +319,12 @@ def init_on_shards(tx: optax.GradientTransformation, shards: optax.Params,
       >>> state[0].mu["w"].sharding.spec == shards["w"].sharding.spec
       True
     """
+    if isinstance(tx, ReducingOptimizer):
+        raise ValueError(
+            "tx all-reduces each device's own gradients inside (transforms.onebit_adam, "
+            "transforms.decoupled_momentum), but the gradients of sharded training are reduced "
+            "shards already: compress them in transforms.fsdp(gradients=...) and step with "
+            "transforms.frozen_adamw (1-bit Adam's frozen variance) or any optax optimizer")
     state = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, a.sharding.spec)),
                          init_like_params(tx, shards, mesh))
     _check_replicated_updates(tx, shards, state, mesh)

@@ -55,7 +55,7 @@ import optax
 import qcollect as qc
 from qcollect.checks import check_float, check_floating_leaves
 from transforms._all_reduce import CompressedAllReduceState, compressed_all_reduce
-from transforms._axes import AxisName
+from transforms._axes import AxisName, ReducingOptimizer
 from transforms._feedback import residual_feedback
 from transforms._finite import all_finite, keep_if_finite
 from transforms._frozen_adam import FrozenAdamState, freeze_schedule
@@ -168,8 +168,8 @@ def onebit_adam(axis_name: AxisName, *, learning_rate: optax.ScalarOrSchedule,
         eps=check_float("eps", eps, low=0.0, low_inclusive=True),
         weight_decay=check_float("weight_decay", weight_decay, low=0.0, low_inclusive=True),
         mask=mask)
-    return optax.GradientTransformation(functools.partial(_init, settings=settings),
-                                        functools.partial(_update, settings=settings))
+    return ReducingOptimizer(functools.partial(_init, settings=settings),
+                             functools.partial(_update, settings=settings))
 
 
 def _init(params: optax.Params, *, settings: _Settings) -> OneBitAdamState:

@@ -143,7 +143,8 @@ def compress_after_of(cfg) -> transforms.CompressAfter:
 
     Example:
       >>> from lm.config import Config
-      >>> compress_after_of(Config(compress_after=60, warm_up_compressor="bf16")).first
+      >>> compress_after_of(Config(compressors=("qsgd-4",), compress_after=60,
+      ...                          warm_up_compressor="bf16")).first
       'lead-in'
     """
     warm = cfg.warm_up_compressor
