@@ -9,14 +9,6 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     _flags += " --xla_force_host_platform_device_count=8"
-# The suite is bound by compiling thousands of small programs: XLA:CPU's
-# backend (LLVM) optimisation level 0 compiles them about a quarter faster.
-# The HLO each test checks (its collectives, bytes and numerics) is the same,
-# and the backend's misbehaviours that qcollect works around show at both
-# levels (tests/test_backend.py passes at 0 and at the default); set
-# XLA_FLAGS=--xla_backend_optimization_level=2 to run the suite as users compile.
-if "xla_backend_optimization_level" not in _flags:
-    _flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = _flags.strip()
 
 import jax  # noqa: E402
