@@ -394,6 +394,7 @@ def test_lm_trains_with_diloco_beside_synchronous_runs(tmp_path, capsys):
     assert "bytes / token" in out and "| diloco-qsgd-4 |" in out
 
 
+@pytest.mark.slow  # two more runs; test_diloco.py's reference holds the synchronous steps first
 def test_lm_diloco_warm_start_counts_its_synchronous_steps(tmp_path):
     """``--diloco-sync-first 2``: two synchronous steps (a full exact
     all-reduce each), then rounds of H = 2: 6 steps send 2 + 2 full
@@ -580,8 +581,10 @@ def test_time_to_target_times_each_phase_of_a_point(tmp_path, capsys):
 
 def test_lm_trains_with_the_optimizers_that_compress_inside(tmp_path):
     """1-bit Adam after a bfloat16 warm-up (phases ``lead-in`` then
-    ``compressed``, the warm-up half of float32's bytes) and DeMo (an
-    all-gather of 3 bytes per sent coefficient): finite, and each measured."""
+    ``compressed``, the warm-up half of float32's bytes), 0/1 Adam on one
+    replica per device (a refresh, a sync and a local step, the local step
+    sending nothing) and DeMo (an all-gather of 3 bytes per sent
+    coefficient): finite, and each measured."""
     import jax
 
     n = jax.device_count()
@@ -592,9 +595,18 @@ def test_lm_trains_with_the_optimizers_that_compress_inside(tmp_path):
                       "--output-dir", str(tmp_path / "a"), *TINY])
     demo = _main()(["--optimizer", "demo", "--compressors", "none", "--demo-top-k", "1",
                     "--steps", "1", "--output-dir", str(tmp_path / "b"), *TINY])
-    for r in onebit + demo:
+    zero_one = _main()(["--optimizer", "zero-one-adam", "--compressors", "onebit",
+                        "--zero-one-freeze", "2", "--zero-one-refreshes", "1",
+                        "--zero-one-local-steps", "2", "--zero-one-syncs", "1", "--steps", "4",
+                        "--output-dir", str(tmp_path / "c"), *TINY])
+    for r in onebit + demo + zero_one:
         assert np.isfinite(r.losses).all() and np.isfinite(r.accuracy).all(), r.name
-    (adam,), (demo,) = onebit, demo
+    (adam,), (demo,), (zero,) = onebit, demo, zero_one
+    # refreshes at 0 and 1, a sync at 2, a local step at 3
+    assert [span[0] for span in zero.phases] == ["exact", "compressed", "inner"]
+    phases = zero.wire_bytes_by_phase
+    assert phases["inner"] == 0 and 0 < phases["compressed"] < phases["exact"] / 4
+    assert phases["exact"] == pytest.approx(_pmean_bytes(n, sum(sizes)), abs=2)
     assert [span[0] for span in adam.phases] == ["lead-in", "compressed"]
     lead_in, compressed = adam.wire_bytes_by_phase["lead-in"], adam.wire_bytes_by_phase[
         "compressed"]
@@ -606,6 +618,11 @@ def test_lm_trains_with_the_optimizers_that_compress_inside(tmp_path):
     assert demo.wire_bytes == (n - 1) * chunks * 3
     for bad in (dict(optimizer="demo", compressors=("qsgd-4",)),
                 dict(optimizer="onebit-adam", compressors=("onebit",), compress_after=0),
-                dict(optimizer="onebit-adam", compressors=("powersgd",), compress_after=2)):
+                dict(optimizer="onebit-adam", compressors=("powersgd",), compress_after=2),
+                dict(optimizer="zero-one-adam", compressors=("onebit",)),
+                dict(optimizer="zero-one-adam", compressors=("onebit",), zero_one_freeze=5,
+                     compress_after=2),
+                dict(optimizer="zero-one-adam", compressors=("onebit",), zero_one_freeze=5,
+                     parallel="fsdp")):
         with pytest.raises(ValueError, match="optimizer"):
             Config(**bad)

@@ -200,12 +200,14 @@ def test_it_trains_and_accumulate_runs_it_once_per_optimizer_step():
 
 
 def test_sharded_training_refuses_the_optimizers_that_reduce_inside():
-    """Under FSDP the gradients are reduced shards: 1-bit Adam and DeMo,
+    """Under FSDP the gradients are reduced shards: 1-bit Adam, 0/1 Adam and DeMo,
     which all-reduce each device's gradients, are refused by name."""
     params = {"w": jnp.zeros((N * 4, 8))}
     dims = qc.shard_dimensions(params, N)
     shards = transforms.shard_params(params, mesh_of(N), "d", dims)
-    for tx in (_tx(), transforms.decoupled_momentum("d", learning_rate=1e-3)):
+    for tx in (_tx(), transforms.decoupled_momentum("d", learning_rate=1e-3),
+               transforms.zero_one_adam("d", learning_rate=1e-3, freeze_after=10,
+                                        key=jax.random.key(0))):
         assert isinstance(tx, optax.GradientTransformation)
         with pytest.raises(ValueError, match="frozen_adamw"):
             transforms.init_on_shards(tx, shards, mesh_of(N))

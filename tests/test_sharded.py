@@ -38,7 +38,7 @@ def _float64(a):
     return np.asarray(a).astype(np.float64)
 
 
-@settings(max_examples=10, deadline=None)  # two compiles per example
+@settings(max_examples=6, deadline=None)  # two compiles per example
 @given(n=st.sampled_from([1, 2, 3, 4, 8]), blocks=st.integers(1, 5),
        exchange=st.sampled_from(qc.EXCHANGES), seed=st.integers(0, 99))
 def test_identity_equals_psum_scatter_and_all_gather(n, blocks, exchange, seed):

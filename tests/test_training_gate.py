@@ -276,6 +276,8 @@ def test_quick_gate_mlp_entropy(tmp_path):
     assert rows["entropy"].verdict == "report"
 
 
+@pytest.mark.slow  # a training run per compressor; the CNN trains in test_examples.py and
+# the gate's every-compressor MLP run below holds the gate's logic
 @needs_mnist
 def test_quick_gate_cnn(tmp_path):
     code, rows = _gate(tmp_path, "--models", "cnn")

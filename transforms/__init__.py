@@ -61,6 +61,8 @@ from transforms._placement import init_sharded, state_specs
 from transforms._policy import compressed_fraction, leaf_compressors, matrices, path_name
 from transforms._powersgd import PowerSGDState, powersgd
 from transforms._residual import ResidualState
+from transforms._zero_one_adam import ZeroOneAdamState, zero_one_adam
+from transforms._zero_one_schedule import ZeroOneSchedule
 
 __all__ = [
     "FSDP",
@@ -76,6 +78,8 @@ __all__ = [
     "OneBitAdamState",
     "PhaseSpan",
     "PowerSGDState",
+    "ZeroOneAdamState",
+    "ZeroOneSchedule",
     "accumulate",
     "apply_if_finite",
     "clip_by_global_norm",
@@ -108,4 +112,5 @@ __all__ = [
     "sharded_specs",
     "state_specs",
     "steps_per_phase",
+    "zero_one_adam",
 ]

@@ -53,7 +53,8 @@ import jax.numpy as jnp
 import optax
 
 import qcollect as qc
-from qcollect.checks import check_float, check_floating_leaves
+from qcollect.checks import check_floating_leaves
+from transforms._adam import AdamSettings
 from transforms._all_reduce import CompressedAllReduceState, compressed_all_reduce
 from transforms._axes import AxisName, ReducingOptimizer
 from transforms._feedback import residual_feedback
@@ -89,11 +90,7 @@ class _Settings:
     learning_rate: optax.ScalarOrSchedule
     schedule: CompressAfter
     sync: optax.GradientTransformation
-    b1: float
-    b2: float
-    eps: float
-    weight_decay: float
-    mask: Any
+    adam: AdamSettings
 
 
 def onebit_adam(axis_name: AxisName, *, learning_rate: optax.ScalarOrSchedule,
@@ -163,11 +160,7 @@ def onebit_adam(axis_name: AxisName, *, learning_rate: optax.ScalarOrSchedule,
         error_feedback=residual_feedback())
     settings = _Settings(
         learning_rate=learning_rate, schedule=schedule, sync=sync,
-        b1=check_float("b1", b1, low=0.0, low_inclusive=True, high=1.0, high_inclusive=False),
-        b2=check_float("b2", b2, low=0.0, low_inclusive=True, high=1.0, high_inclusive=False),
-        eps=check_float("eps", eps, low=0.0, low_inclusive=True),
-        weight_decay=check_float("weight_decay", weight_decay, low=0.0, low_inclusive=True),
-        mask=mask)
+        adam=AdamSettings(b1, b2, eps, weight_decay, mask))
     return ReducingOptimizer(functools.partial(_init, settings=settings),
                              functools.partial(_update, settings=settings))
 
@@ -185,27 +178,28 @@ def _update(grads: optax.Updates, state: OneBitAdamState, params: optax.Params |
     compressed momentum with the frozen variance; skipped when non-finite."""
     s, adam = settings, state.adam
     check_floating_leaves(grads, "grads")
-    if s.weight_decay and params is None:
+    if s.adam.weight_decay and params is None:
         raise ValueError("onebit_adam with weight_decay needs params: update(grads, state, "
                          "params)")
     warm = s.schedule.at(adam.count)
     # What each worker sends: its gradient in the warm-up, its local
     # momentum m_i = b1 m + (1 - b1) g_i after (Algorithm 1, line 5).
     local = jax.tree.map(
-        lambda g, m: jnp.where(warm, g.astype(jnp.float32), s.b1 * m + (1 - s.b1) * g),
+        lambda g, m: jnp.where(warm, g.astype(jnp.float32), s.adam.b1 * m + (1 - s.adam.b1) * g),
         grads, adam.mu)
     reduced, sync = s.sync.update(local, state.sync)
     mu = jax.tree.map(lambda new, r: jnp.where(warm, new, r),
-                      optax.tree.update_moment(reduced, adam.mu, s.b1, 1), reduced)
+                      optax.tree.update_moment(reduced, adam.mu, s.adam.b1, 1), reduced)
     nu = jax.tree.map(lambda new, old: jnp.where(warm, new, old),
-                      optax.tree.update_moment_per_elem_norm(reduced, adam.nu, s.b2, 2), adam.nu)
+                      optax.tree.update_moment_per_elem_norm(reduced, adam.nu, s.adam.b2, 2),
+                      adam.nu)
     count = optax.safe_increment(adam.count)
     nu_count = jnp.where(warm, optax.safe_increment(adam.nu_count), adam.nu_count)
-    step = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + s.eps),
-                        optax.tree.bias_correction(mu, s.b1, count),
-                        optax.tree.bias_correction(nu, s.b2, nu_count))
-    if s.weight_decay:
-        decay = optax.add_decayed_weights(s.weight_decay, s.mask)
+    step = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + s.adam.eps),
+                        optax.tree.bias_correction(mu, s.adam.b1, count),
+                        optax.tree.bias_correction(nu, s.adam.b2, nu_count))
+    if s.adam.weight_decay:
+        decay = optax.add_decayed_weights(s.adam.weight_decay, s.adam.mask)
         step, _ = decay.update(step, decay.init(params), params)
     lr = s.learning_rate(adam.count) if callable(s.learning_rate) else s.learning_rate
     finite = all_finite(reduced)

@@ -152,6 +152,19 @@ def compress_after_of(cfg) -> transforms.CompressAfter:
                                     warm_up=None if warm == "none" else _COMPRESSORS[warm](cfg))
 
 
+def zero_one_schedule(cfg) -> transforms.ZeroOneSchedule:
+    """0/1 Adam's schedule of ``cfg`` (``zero_one_freeze`` and the spacings).
+
+    Example:
+      >>> from lm.config import Config
+      >>> zero_one_schedule(Config(optimizer="zero-one-adam", compressors=("onebit",),
+      ...                          zero_one_freeze=120)).local_steps
+      16
+    """
+    return transforms.ZeroOneSchedule(cfg.zero_one_freeze, cfg.zero_one_refreshes,
+                                      cfg.zero_one_local_steps, cfg.zero_one_syncs)
+
+
 def _compressed(compressor, cfg, axis_name, key, **kwargs) -> optax.GradientTransformation:
     return transforms.compressed_all_reduce(axis_name, compressor=compressor, key=key,
                                             min_size=cfg.min_size, exchange=cfg.exchange,
@@ -254,6 +267,8 @@ def phases_of(name: str, cfg) -> Callable[[int], tuple] | None:
       (PhaseSpan(name='exact', start=0, stop=10),
        PhaseSpan(name='compressed', start=10, stop=30))
     """
+    if cfg.optimizer == "zero-one-adam" and name in MOMENTUM_COMPRESSORS:
+        return zero_one_schedule(cfg).spans
     if name in _COMPRESSORS or (name == "none" and cfg.optimizer == "onebit-adam"):
         return compress_after_of(cfg).spans if cfg.compress_after else None
     if name == "powersgd":

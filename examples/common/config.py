@@ -38,7 +38,8 @@ MODEL_AXIS_COMPRESSORS = ("none", "bf16", "onebit", "onebit-column", "threshold"
                           "qsgd-2", "qsgd-4", "qsgd-8") + REFERENCES
 #: What ``--warm-up-compressor`` takes: none (exact) or a near-lossless compressor.
 WARM_UP_COMPRESSORS = ("none", "bf16", "qsgd-8")
-OPTIMIZERS = ("adagrad", "sgd", "momentum", "adam", "adamw", "onebit-adam", "demo")
+OPTIMIZERS = ("adagrad", "sgd", "momentum", "adam", "adamw", "onebit-adam", "zero-one-adam",
+              "demo")
 # The names --error-feedback takes (`common.compressors.feedback` makes each
 # the strategy of `transforms.compressed_all_reduce`).
 ERROR_FEEDBACK = ("residual", "ef21")
@@ -76,7 +77,10 @@ class TrainConfig:
         "adagrad", f"optimizer applied after the all-reduce: {', '.join(OPTIMIZERS)} "
                    "(momentum: SGD with momentum 0.9; onebit-adam: 1-bit Adam, which "
                    "all-reduces inside: exact Adam for --compress-after steps, then its "
-                   "momentum through the run's compressor with the variance frozen; demo: "
+                   "momentum through the run's compressor with the variance frozen; "
+                   "zero-one-adam: 0/1 Adam, one replica per device, its variance refreshed "
+                   "until --zero-one-freeze and its accumulated momentum synchronised through "
+                   "the run's compressor, with local steps between syncs after it; demo: "
                    "DeMo, each device's momentum decoupled and its largest DCT components "
                    "all-gathered, with --compressors none)")
     learning_rate: float = flag(0.03, "the optimizer's step size (finite, > 0)")
@@ -124,6 +128,12 @@ class TrainConfig:
     demo_chunk: int = flag(64, "DeMo's DCT chunk: values per chunk (2 to 65,536)")
     demo_top_k: int = flag(2, "DeMo's components sent per chunk (1 to --demo-chunk)")
     demo_beta: float = flag(0.999, "DeMo's momentum decay, in [0, 1)")
+    zero_one_freeze: int = flag(0, "0/1 Adam's F: the step from which its variance is frozen "
+                                   "and local steps begin (>= 1 with zero-one-adam)")
+    zero_one_refreshes: int = flag(16, "0/1 Adam's variance refreshes per spacing before the "
+                                       "spacing doubles")
+    zero_one_local_steps: int = flag(16, "0/1 Adam's largest spacing of syncs after F")
+    zero_one_syncs: int = flag(16, "0/1 Adam's syncs per spacing before it doubles")
     warm_up_compressor: str = flag(
         "none", "what the --compress-after steps send: none (the exact mean), bf16 or qsgd-8 "
                 "(phase 'lead-in'; no error feedback; before a variance freeze bf16: qsgd-8 "
@@ -256,6 +266,9 @@ class TrainConfig:
                                  f"demo_chunk], demo_beta in [0, 1), got {self.demo_chunk}, "
                                  f"{self.demo_top_k}, {self.demo_beta}")
             return
+        if self.optimizer == "zero-one-adam":
+            self._check_zero_one()
+            return
         if self.optimizer != "onebit-adam":
             return
         from common.compressors import MOMENTUM_COMPRESSORS
@@ -272,6 +285,24 @@ class TrainConfig:
                 "data",):
             raise ValueError("optimizer 'onebit-adam' needs parallel 'replicated', mesh 'data' "
                              "and model_parallel 1 (it all-reduces its momentum over 'data')")
+
+    def _check_zero_one(self) -> None:
+        from common.compressors import MOMENTUM_COMPRESSORS
+
+        unknown = [n for n in self.compressor_names if n not in MOMENTUM_COMPRESSORS]
+        if unknown or self.compress_after or self.freeze_variance or self.zero_one_freeze < 1:
+            raise ValueError(
+                f"optimizer 'zero-one-adam' sends its accumulated momentum through the run's "
+                f"compressor (one of {', '.join(MOMENTUM_COMPRESSORS)}), refreshes its "
+                f"variance until zero_one_freeze >= 1 and takes no compress_after or "
+                f"freeze_variance; got compressors {', '.join(unknown) or 'fine'}, "
+                f"zero_one_freeze {self.zero_one_freeze}, compress_after "
+                f"{self.compress_after}, freeze_variance {self.freeze_variance}")
+        if self.parallel != "replicated" or self.model_parallel != 1 or tuple(self.mesh) != (
+                "data",) or self.diloco_every:
+            raise ValueError("optimizer 'zero-one-adam' needs parallel 'replicated', mesh "
+                             "'data', model_parallel 1 and no DiLoCo (one replica per device "
+                             "over 'data')")
 
     def _check_parallel(self) -> None:
         if self.parallel not in ("replicated", "fsdp"):

@@ -1,8 +1,8 @@
 """DiLoCo in the examples' training loop: one replica per device, an outer step every H.
 
-`DiLoCoParallel` is a `common.train.DataParallel` whose parameters are per
-device (each worker's replica, stacked ``(N, ...)`` and sharded
-``P("data")``) and whose transformation is `transforms.diloco`: the run's
+`DiLoCoParallel` is a `common.replicas.ReplicaParallel` (each worker's
+replica, stacked ``(N, ...)`` and sharded ``P("data")``) whose
+transformation is `transforms.diloco`: the run's
 optimizer is the inner optimizer, and the gradient all-reduce of the run's
 compressor name (`common.compressors.communication`: ``none`` is the exact
 float32 mean, ``qsgd-4`` four bits with error feedback, ...) averages the
@@ -17,15 +17,11 @@ the exact all-reduces of ``diloco_sync_first`` synchronous steps first).
 
 from __future__ import annotations
 
-import jax
-import numpy as np
 import optax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import transforms
 from common.compressors import Communication
-from common.train import DataParallel, all_finite, on_every_device
+from common.replicas import ReplicaParallel
 from common.wire_split import part, update_bytes
 
 #: What the outer gradients may go through: the all-reduces of one phase.
@@ -33,7 +29,7 @@ OUTER_COMPRESSORS = ("none", "bf16", "onebit", "qsgd-2", "qsgd-4", "qsgd-8", "th
                      "adaptive")
 
 
-class DiLoCoParallel(DataParallel):
+class DiLoCoParallel(ReplicaParallel):
     """Replicas per device trained with `transforms.diloco` (module docstring).
 
     Args:
@@ -46,7 +42,6 @@ class DiLoCoParallel(DataParallel):
     def __init__(self, model, mesh, cfg):
         super().__init__(model, mesh)
         self.cfg = cfg
-        self.replicated = DataParallel(model, mesh)  # to measure the all-reduces alone
 
     def communication(self, name: str, cfg, key) -> Communication:
         """The outer gradients' all-reduce of ``name``; phased: inner steps send nothing."""
@@ -64,42 +59,6 @@ class DiLoCoParallel(DataParallel):
                                  outer=self.outer(), reduce=comm.tx,
                                  fragments=self.cfg.fragments, delay=self.cfg.diloco_delay,
                                  sync_first=self.cfg.diloco_sync_first)
-
-    def place(self, params):
-        """One replica per device: ``(N, ...)`` on ``P("data")``."""
-        sharding = NamedSharding(self.mesh, P(self.axis))
-
-        def place(leaf):
-            host = np.asarray(leaf)  # every process passes the same values
-            shape = (self.num_devices,) + host.shape
-            return jax.make_array_from_callback(
-                shape, sharding, lambda index: np.broadcast_to(host, shape)[index])
-
-        return jax.tree.map(place, params)
-
-    def init(self, tx: optax.GradientTransformation, params):
-        return transforms.init_sharded(tx, self.params, self.mesh, self.axis)
-
-    def step(self, tx: optax.GradientTransformation, opt_state, *, replicated: bool = True):
-        """``step(replicas, state, x, y) -> (replicas, state, losses, finite)``,
-        ``finite`` per device (each replica's own)."""
-        specs = transforms.state_specs(opt_state, self.axis)
-        axis = self.axis
-
-        def body(replicas, state, x, y):
-            params = transforms.local_replica(replicas, axis)
-            loss, grads = self.grads(params, x, y)
-            updates, state = tx.update(grads, state, params)
-            params = optax.apply_updates(params, updates)
-            return (jax.tree.map(lambda a: a[None], params), state, loss[None],
-                    all_finite(params)[None])
-
-        return self.manual(body, (P(axis), specs, P(axis), P(axis)),
-                           (P(axis), specs, P(axis), P(axis)))
-
-    def full(self, params):
-        """The replicas' mean, replicated (for evaluation)."""
-        return on_every_device(params, self.mesh, mean_of_replicas=True)
 
     def mean_bytes(self, name: str, key, steps: int) -> int:
         """Bytes per device per step over a run of ``steps``: the

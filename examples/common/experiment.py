@@ -77,11 +77,16 @@ def mesh_of(cfg):
 def data_parallel(cfg, model, mesh) -> DataParallel:
     """``model`` on ``mesh`` as ``cfg`` says: replicated parameters, sharded
     (``parallel`` fsdp: `common.fsdp.ShardedDataParallel`), or model-sharded
-    over a model axis (``model_parallel`` > 1: `common.model_axes.DataModelParallel`)."""
+    over a model axis (``model_parallel`` > 1: `common.model_axes.DataModelParallel`), one
+    replica per device (0/1 Adam's local steps: `common.replicas.ReplicaParallel`)."""
     if cfg.model_parallel > 1:
         from common.model_axes import DataModelParallel
 
         return DataModelParallel(model, mesh)
+    if cfg.optimizer == "zero-one-adam":
+        from common.replicas import ReplicaParallel
+
+        return ReplicaParallel(model, mesh)
     if cfg.parallel == "fsdp":
         from common.compressors import feedback
         from common.fsdp import ShardedDataParallel

@@ -51,7 +51,12 @@ import qcollect as qc
 import transforms
 from common import entropy_plan
 from common.checkpoints import Checkpoints, step_of
-from common.compressors import Communication, communication, compress_after_of
+from common.compressors import (
+    Communication,
+    communication,
+    compress_after_of,
+    zero_one_schedule,
+)
 from common.devices import local_values
 from common.task import as_task
 
@@ -158,6 +163,11 @@ def make_optimizer(cfg, learning_rate: float | optax.Schedule | None = None, *,
     if cfg.optimizer == "onebit-adam":
         return InOptimizer(lambda axis, compressor, key: transforms.onebit_adam(
             axis, learning_rate=lr, compress_after=compress_after_of(cfg), key=key,
+            compressor=compressor, weight_decay=weight_decay, mask=transforms.matrices(),
+            min_size=cfg.min_size))
+    if cfg.optimizer == "zero-one-adam":
+        return InOptimizer(lambda axis, compressor, key: transforms.zero_one_adam(
+            axis, learning_rate=lr, freeze_after=zero_one_schedule(cfg), key=key,
             compressor=compressor, weight_decay=weight_decay, mask=transforms.matrices(),
             min_size=cfg.min_size))
     if cfg.optimizer == "demo":

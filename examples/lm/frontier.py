@@ -58,6 +58,9 @@ POINTS: tuple[dict, ...] = (
        **({"warm_up_compressor": w} if w != "none" else {})}
       for c in ("onebit", "onebit-column", "qsgd-2") for k in ("5%", "10%", "20%")
       for w in ("none", "bf16")),
+    # 0/1 Adam: variance refreshes until F, then local steps between 1-bit syncs
+    *({"compressors": (c,), "optimizer": "zero-one-adam", "zero_one_freeze": f}
+      for c in ("onebit", "onebit-column") for f in ("10%", "20%")),
     # DeMo: decoupled momenta, 1 or 2 of each 64 DCT coefficients all-gathered
     *({"compressors": ("none",), "optimizer": "demo", "demo_top_k": k} for k in (1, 2)),
     {"compressors": ("bf16",)},
@@ -117,7 +120,8 @@ def name_of(settings: dict, steps: int) -> str:
     ``first10%-bf16`` through a warm-up compressor), ``frozen``
     (Adam's variance), ``ef21``, ``mask`` (zero rows), and a learning rate
     other than the default (``lr0.006``); 1-bit Adam's points start
-    ``onebit-adam-`` and name the momentum's compressor.
+    ``onebit-adam-`` and 0/1 Adam's ``zero-one-adam-`` and name the momentum's
+    compressor (0/1 Adam's then its variance freeze, ``freeze20%``).
 
     Example:
       >>> settings = {"compressors": ["onebit"], "compress_after": 60, "freeze_variance": True}
@@ -131,13 +135,16 @@ def name_of(settings: dict, steps: int) -> str:
         (compressor,) = settings["compressors"]
         parts = [compressor + (f"-r{settings['powersgd_rank']}"
                                if compressor == "powersgd" else "")]
-        if settings.get("optimizer") == "onebit-adam":
-            parts.insert(0, "onebit-adam")
+        if settings.get("optimizer") in ("onebit-adam", "zero-one-adam"):
+            parts.insert(0, settings["optimizer"])
         if settings.get("optimizer") == "demo":
             parts = [f"demo-k{settings['demo_top_k']}"]
+    if settings.get("zero_one_freeze"):
+        freeze = settings["zero_one_freeze"]
+        parts.append(f"freeze{freeze if isinstance(freeze, str) else _share(freeze, steps)}")
     exact = settings.get("compress_after")
     if exact:
-        share = exact if isinstance(exact, str) else f"{100 * exact / steps:.0f}%"
+        share = exact if isinstance(exact, str) else _share(exact, steps)
         warm = settings.get("warm_up_compressor", "none")
         parts.append(f"exact{share}" if warm == "none" else f"first{share}-{warm}")
     parts += [part for part, on in (("frozen", settings.get("freeze_variance")),
@@ -146,6 +153,11 @@ def name_of(settings: dict, steps: int) -> str:
     if "learning_rate" in settings:
         parts.append(f"lr{settings['learning_rate']:g}")
     return "-".join(parts)
+
+
+def _share(count: int, steps: int) -> str:
+    """``count`` steps as a share of a run of ``steps``: ``"10%"``."""
+    return f"{100 * count / steps:.0f}%"
 
 
 def renamed(runs: frontier_report.Runs, steps: int) -> frontier_report.Runs:

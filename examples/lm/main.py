@@ -39,6 +39,7 @@ from common.experiment import (  # noqa: E402
     progress_bar,
     train_each,
 )
+from common.replicas import ReplicaParallel  # noqa: E402
 from common.text import NextBytes, load_stdlib  # noqa: E402
 from common.train import (  # noqa: E402
     DataParallel,
@@ -113,7 +114,8 @@ def run(cfg: Config, corpus=None):
         splits = {r.name: report.fsdp_split(r) for r in results}
         phases = {r.name: {"steady": r.wire_bytes} for r in results}
     else:
-        splits = {r.name: wire_split(dp, r.name, cfg, r.wire_bytes) for r in results}
+        whole = dp.replicated if isinstance(dp, ReplicaParallel) else dp
+        splits = {r.name: wire_split(whole, r.name, cfg, r.wire_bytes) for r in results}
         phases = {r.name: phase_bytes(r) for r in results}
     for r, ddp in diloco_runs(cfg, mesh, task, lead, optimizer):
         results.append(r)  # the split of one whole-model exchange, over H

@@ -19,7 +19,8 @@ the schedule the point's transformation runs (`common.compressors.phases_of`):
 an ``"exact"`` step (or a synchronous step before DiLoCo) costs ``none``'s
 step, every other step the point's compressed step; a DiLoCo inner step
 costs ``local``'s (no all-reduce), and each outer step adds one exchange of
-the outer compressor, its step minus ``local``'s. Frozen variance, EF21 and
+the outer compressor, its step minus ``local``'s; 0/1 Adam's local steps
+(``"inner"``) cost ``local``'s too. Frozen variance, EF21 and
 masks are timed as their compressor's step. The target is ``none``'s mean
 validation bits per byte after the frontier's steps (``--within 0.02``: 2%
 above it, as three seeds of ``none`` alone spread about 0.5%); a point that
@@ -84,13 +85,23 @@ def seconds(settings: dict, steps: float, t: dict[str, float]) -> float:
       >>> seconds({"compressors": [], "diloco_every": 10, "outer_compressor": ["qsgd-4"],
       ...          "diloco_sync_first": 10}, 30, t)
       15.5
+      >>> seconds({"compressors": ["qsgd-4"], "optimizer": "zero-one-adam",   # 3 refreshes,
+      ...          "zero_one_freeze": 4, "zero_one_refreshes": 2, "zero_one_local_steps": 4,
+      ...          "zero_one_syncs": 1}, 8, t)   # 3 syncs, 2 local steps
+      5.0
     """
     cfg = point_config(settings)
     if cfg.diloco_every:
         return diloco_seconds(cfg, steps, t)
-    exact = sum(max(0.0, min(stop, steps) - start)
-                for name, start, stop in spans(cfg, math.ceil(steps)) if name == "exact")
-    return exact * t["none"] + (steps - exact) * t[step_key(settings)]
+    done = {phase: sum(max(0.0, min(stop, steps) - start)
+                       for name, start, stop in spans(cfg, math.ceil(steps)) if name == phase)
+            for phase in ("exact", "inner")}
+    rest = steps - done["exact"] - done["inner"]
+    if done["inner"] and "local" not in t:
+        raise ValueError("a point with local steps needs the shaped runs' 'local' step time "
+                         "(--compressors ...,local)")
+    return (done["exact"] * t["none"] + done["inner"] * (t["local"] if done["inner"] else 0.0)
+            + rest * t[step_key(settings)])
 
 
 def point_config(settings: dict) -> Config:
