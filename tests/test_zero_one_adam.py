@@ -2,6 +2,7 @@
 of leaves of several shapes and scales over 4 devices, against a float64
 oracle of the algorithm and against ``optax.adamw``."""
 
+import dataclasses
 import functools
 
 import jax
@@ -182,6 +183,17 @@ def test_one_bit_sends_a_sixteenth_and_the_local_steps_nothing():
     spans = transforms.steps_per_phase(transforms.ZeroOneSchedule(120).spans(600))
     # DeepSpeed's defaults: 49 refreshes before step 120, 79 syncs after it
     assert spans == {"exact": 49, "compressed": 71 + 79, "inner": 600 - 49 - 71 - 79}
+    # bfloat16 refreshes: phase "lead-in", half of float32's bytes
+    low = dataclasses.replace(SCHEDULE, refresh_compressor=qc.cast("bfloat16"))
+    replicas, state, step = _stepper(_tx(freeze_after=low), params)
+    low_phases = qc.wire_bytes_by_phase(step.mapped, step.put(replicas), state, step.put(a),
+                                        step.put(b))
+    assert low_phases["compressed"] == phases["compressed"] and low_phases["inner"] == 0
+    # half of float32's, and its ring's padding to whole chunks (under 1%)
+    assert phases["exact"] / 2 <= low_phases["lead-in"] < 1.01 * phases["exact"] / 2
+    assert [s.name for s in low.spans(3)] == ["lead-in", "compressed"]
+    replicas, state = step(replicas, state, a, b)
+    assert int(state.nu_count) == 1 and float(np.abs(np.asarray(state.nu["w"])).max()) > 0
 
 
 def test_one_bit_trains_and_the_errors_are_kept_per_device():
@@ -262,6 +274,8 @@ def test_state_is_placed_and_settings_are_checked():
     for name in ("refreshes", "local_steps", "syncs_per_spacing"):
         with pytest.raises(ValueError, match=name):
             transforms.ZeroOneSchedule(10, **{name: 0})
+    with pytest.raises(ValueError, match="refresh_compressor"):
+        transforms.ZeroOneSchedule(10, refresh_compressor="bf16")
     tx = _tx()
     with pytest.raises(ValueError, match="needs params"):
         tx.update({"w": jnp.zeros(3)}, tx.init({"w": jnp.zeros(3)}))

@@ -7,6 +7,7 @@ step ``t`` with the schedule's sets ``T_v`` and ``T_u``
 (`transforms.ZeroOneSchedule`):
 
 * ``t`` in ``T_v`` (a refresh, phase ``"exact"``): the gradients' exact mean
+  (or through the schedule's ``refresh_compressor``, phase ``"lead-in"``)
   ``g``; ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g^2``; every worker
   steps ``x = x - lr m / sqrt(v)`` and the step is a synchronisation point.
 * otherwise the local momentum ``m_i = b1 m_i + (1 - b1) g_i`` and the
@@ -75,7 +76,7 @@ from transforms._axes import (
 from transforms._blocks import as_block
 from transforms._feedback import residual_feedback
 from transforms._finite import all_finite
-from transforms._phases import COMPRESSED, EXACT, INNER
+from transforms._phases import COMPRESSED, INNER
 from transforms._placement import per_device
 from transforms._policy import CompressorSpec, LeafPredicate
 from transforms._state import read_per_device
@@ -124,6 +125,7 @@ class _Settings:
     schedule: ZeroOneSchedule
     sync: optax.GradientTransformation
     adam: AdamSettings
+    key: jax.Array
 
 
 def zero_one_adam(axis_name: AxisName, *, learning_rate: optax.ScalarOrSchedule,
@@ -185,7 +187,7 @@ def zero_one_adam(axis_name: AxisName, *, learning_rate: optax.ScalarOrSchedule,
         compress_if=compress_if, bucket_bytes=bucket_bytes, error_feedback=residual_feedback())
     settings = _Settings(
         axis_name=axis_name, learning_rate=learning_rate, schedule=schedule, sync=sync,
-        adam=AdamSettings(b1, b2, eps, weight_decay, mask))
+        adam=AdamSettings(b1, b2, eps, weight_decay, mask), key=key)
     return ReducingOptimizer(functools.partial(_init, settings=settings),
                              functools.partial(_update, settings=settings))
 
@@ -310,8 +312,13 @@ def _refresh(step: _Step, s: _Settings) -> _Out:
     """``t`` in ``T_v``: the exact mean, both moments, one step from the sync
     point; skipped on every worker when the mean is non-finite."""
     st = step.state
-    with qc.phase(EXACT):
-        mean = qc.fused_psum(step.g, s.axis_name, mean=True)
+    low_bits = s.schedule.refresh_compressor
+    with qc.phase(s.schedule.refresh_phase):
+        if low_bits is None:
+            mean = qc.fused_psum(step.g, s.axis_name, mean=True)
+        else:  # no error feedback, as a warm-up compressor's steps
+            mean = qc.compressed_all_reduce(step.g, s.axis_name, low_bits, jax.random.fold_in(
+                s.key, st.count), mean=True).value
         ok = all_finite(mean)
         m = [s.adam.b1 * m + (1 - s.adam.b1) * g for m, g in zip(step.mu, mean, strict=True)]
         nu = [s.adam.b2 * v + (1 - s.adam.b2) * g * g for v, g in zip(step.nu, mean, strict=True)]

@@ -27,15 +27,16 @@ an exact gradient) and syncs on the last.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+import qcollect as qc
 from qcollect.checks import check_int
-from transforms._phases import COMPRESSED, EXACT, INNER, PhaseSpan, clipped
+from transforms._phases import COMPRESSED, EXACT, INNER, LEAD_IN, PhaseSpan, clipped
 
 __all__ = ["ZeroOneSchedule", "ZeroOneStep"]
 
@@ -79,6 +80,12 @@ class ZeroOneSchedule:
       local_steps: H, the largest spacing of syncs after F (>= 1; 1: a sync
         every step, 1-bit Adam with refreshes).
       syncs_per_spacing: syncs at each spacing after F before it doubles (>= 1).
+      refresh_compressor: what a refresh's gradient mean goes through, or
+        None (default: exact float32). ``qc.cast("bfloat16")`` halves the
+        refreshes' bytes, most of what 0/1 Adam sends; the refreshes are
+        then the phase ``"lead-in"``. As for `transforms.CompressAfter`'s
+        warm-up, prefer bfloat16 to a quantizer, which rounds small values
+        to zero and so freezes the variance at 0 there.
 
     Example:
       >>> import transforms
@@ -97,12 +104,22 @@ class ZeroOneSchedule:
     refreshes: int = 16
     local_steps: int = 16
     syncs_per_spacing: int = 16
+    refresh_compressor: Any = None
 
     def __post_init__(self) -> None:
         check_int("freeze_after", self.freeze_after, low=1)
         check_int("refreshes", self.refreshes, low=1)
         check_int("local_steps", self.local_steps, low=1)
         check_int("syncs_per_spacing", self.syncs_per_spacing, low=1)
+        if self.refresh_compressor is not None and not isinstance(self.refresh_compressor,
+                                                                  qc.Compressor):
+            raise ValueError(f"refresh_compressor must be a qcollect Compressor or None "
+                             f"(exact), got {self.refresh_compressor!r}")
+
+    @property
+    def refresh_phase(self) -> str:
+        """The refreshes' phase: ``"exact"``, or ``"lead-in"`` through a compressor."""
+        return EXACT if self.refresh_compressor is None else LEAD_IN
 
     def at(self, count: jax.Array | int) -> ZeroOneStep:
         """The flags of step ``count`` (a scalar or an array of counts)."""
@@ -114,12 +131,12 @@ class ZeroOneSchedule:
         return ZeroOneStep(refresh, sync)
 
     def spans(self, steps: int) -> tuple[PhaseSpan, ...]:
-        """The phases of steps ``0 .. steps - 1``: ``"exact"`` (a refresh),
-        ``"compressed"`` (a sync) and ``"inner"`` (a local step)."""
+        """The phases of steps ``0 .. steps - 1``: ``"exact"`` (a refresh;
+        `refresh_phase`), ``"compressed"`` (a sync) and ``"inner"`` (a local step)."""
         steps = check_int("steps", steps, low=0)
         flags = self.at(np.arange(steps, dtype=np.int32))
         refresh, sync = np.asarray(flags.refresh), np.asarray(flags.sync)
-        names = np.where(refresh, EXACT, np.where(sync, COMPRESSED, INNER))
+        names = np.where(refresh, self.refresh_phase, np.where(sync, COMPRESSED, INNER))
         cuts = [0, *(np.flatnonzero(names[1:] != names[:-1]) + 1).tolist(), steps]
         return clipped([(str(names[a]), a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True)
                         if a < b], steps)

@@ -161,8 +161,9 @@ def zero_one_schedule(cfg) -> transforms.ZeroOneSchedule:
       ...                          zero_one_freeze=120)).local_steps
       16
     """
+    low = None if cfg.zero_one_refresh == "none" else _COMPRESSORS[cfg.zero_one_refresh](cfg)
     return transforms.ZeroOneSchedule(cfg.zero_one_freeze, cfg.zero_one_refreshes,
-                                      cfg.zero_one_local_steps, cfg.zero_one_syncs)
+                                      cfg.zero_one_local_steps, cfg.zero_one_syncs, low)
 
 
 def _compressed(compressor, cfg, axis_name, key, **kwargs) -> optax.GradientTransformation:

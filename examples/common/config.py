@@ -134,6 +134,8 @@ class TrainConfig:
                                        "spacing doubles")
     zero_one_local_steps: int = flag(16, "0/1 Adam's largest spacing of syncs after F")
     zero_one_syncs: int = flag(16, "0/1 Adam's syncs per spacing before it doubles")
+    zero_one_refresh: str = flag("none", "what 0/1 Adam's variance refreshes send: none (the "
+                                         "exact mean) or bf16 (phase 'lead-in')")
     warm_up_compressor: str = flag(
         "none", "what the --compress-after steps send: none (the exact mean), bf16 or qsgd-8 "
                 "(phase 'lead-in'; no error feedback; before a variance freeze bf16: qsgd-8 "
@@ -290,12 +292,14 @@ class TrainConfig:
         from common.compressors import MOMENTUM_COMPRESSORS
 
         unknown = [n for n in self.compressor_names if n not in MOMENTUM_COMPRESSORS]
-        if unknown or self.compress_after or self.freeze_variance or self.zero_one_freeze < 1:
+        if (unknown or self.compress_after or self.freeze_variance or self.zero_one_freeze < 1
+                or self.zero_one_refresh not in ("none", "bf16")):
             raise ValueError(
                 f"optimizer 'zero-one-adam' sends its accumulated momentum through the run's "
                 f"compressor (one of {', '.join(MOMENTUM_COMPRESSORS)}), refreshes its "
-                f"variance until zero_one_freeze >= 1 and takes no compress_after or "
-                f"freeze_variance; got compressors {', '.join(unknown) or 'fine'}, "
+                f"variance until zero_one_freeze >= 1 (zero_one_refresh none or bf16) and "
+                f"takes no compress_after or freeze_variance; got compressors "
+                f"{', '.join(unknown) or 'fine'}, zero_one_refresh {self.zero_one_refresh!r}, "
                 f"zero_one_freeze {self.zero_one_freeze}, compress_after "
                 f"{self.compress_after}, freeze_variance {self.freeze_variance}")
         if self.parallel != "replicated" or self.model_parallel != 1 or tuple(self.mesh) != (

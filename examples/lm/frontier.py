@@ -61,6 +61,8 @@ POINTS: tuple[dict, ...] = (
     # 0/1 Adam: variance refreshes until F, then local steps between 1-bit syncs
     *({"compressors": (c,), "optimizer": "zero-one-adam", "zero_one_freeze": f}
       for c in ("onebit", "onebit-column") for f in ("10%", "20%")),
+    *({"compressors": ("onebit",), "optimizer": "zero-one-adam", "zero_one_freeze": f,
+       "zero_one_refresh": "bf16"} for f in ("10%", "20%")),
     # DeMo: decoupled momenta, 1 or 2 of each 64 DCT coefficients all-gathered
     *({"compressors": ("none",), "optimizer": "demo", "demo_top_k": k} for k in (1, 2)),
     {"compressors": ("bf16",)},
@@ -142,6 +144,8 @@ def name_of(settings: dict, steps: int) -> str:
     if settings.get("zero_one_freeze"):
         freeze = settings["zero_one_freeze"]
         parts.append(f"freeze{freeze if isinstance(freeze, str) else _share(freeze, steps)}")
+        if settings.get("zero_one_refresh", "none") != "none":
+            parts.append(f"refresh-{settings['zero_one_refresh']}")
     exact = settings.get("compress_after")
     if exact:
         share = exact if isinstance(exact, str) else _share(exact, steps)
