@@ -75,7 +75,10 @@ def test_buckets_give_the_results_of_one_bucket():
                 a, b = np.asarray(a), np.asarray(b)
                 if k == 2:
                     a, b = a.sum(0), b.sum(0)
-                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=unroll)
+                # 8 payloads added in another order: a few float32 units of the
+                # largest value, also where the sum cancels to near zero
+                scale = float(np.max(np.abs(b), initial=1.0))
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * scale, err_msg=unroll)
 
 
 def _pca16():

@@ -142,8 +142,10 @@ def test_with_an_exact_compressor_it_is_the_algorithm_step_by_step():
             assert spread <= 1e-6 * 100, (c, spread)
     assert max(moved) > 1e-3, "the local steps never let the replicas differ"
     assert int(state.count) == 14 and int(state.nu_count) == 2
+    # the anchor and a replica reach the synced point by different float32
+    # expressions: equal to a few units in the last place
     np.testing.assert_allclose(np.asarray(state.anchor["w"]), np.asarray(replicas["w"])[0],
-                               rtol=1e-6)
+                               rtol=1e-5)
 
 
 def test_refreshing_every_step_is_adamw_on_the_mean_gradient():
