@@ -46,7 +46,7 @@ INTEGRATION = frozenset({
     "test_bench_compile", "test_bench_network", "test_checkpoint", "test_clusters",
     "test_compile_transforms", "test_docs", "test_examples", "test_launch",
     "test_launch_faults", "test_lm_example", "test_model_axes", "test_notebooks",
-    "test_same_results", "test_training_gate", "test_types",
+    "test_same_results", "test_suite_setup", "test_training_gate", "test_types",
 })
 
 
